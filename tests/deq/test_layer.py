@@ -1,0 +1,183 @@
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from deqscore.deq import DEQ, DEQConvergenceWarning, SecondOrderIFTError
+from deqscore.losses import score_from_log_prob, sliced_score_matching
+
+from .helpers import LinearMap, TanhMap
+
+DIM = 8
+
+
+class EnergyNet(nn.Module):
+    """x -> u = W_in x -> z* = f(z*, u) -> log p = -0.5 ||z*||^2 + c^T z*: a DEQ inside a log-density."""
+
+    def __init__(self, deq: DEQ):
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM, dtype=torch.float64)
+        self.deq = deq
+        self.out = nn.Linear(DIM, 1, dtype=torch.float64)
+
+    def forward(self, x):
+        z = self.deq(self.inp(x))
+        return self.out(z).squeeze(-1) - 0.5 * (z**2).sum(-1)
+
+
+def _make(backward, rho=0.5, **kw):
+    torch.manual_seed(1)
+    func = TanhMap(DIM, rho=rho)
+    kw.setdefault("tol", 1e-12)
+    kw.setdefault("max_iter", 500)
+    return EnergyNet(DEQ(func, solver="anderson", backward=backward, **kw))
+
+
+def _flat_grads(loss, params):
+    """Parameter gradients as one vector (zeros for parameters the loss does not use, e.g. output biases)."""
+    grads = torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True)
+    return torch.cat([g.flatten() for g in grads])
+
+
+def _ssm_param_grads(net, x):
+    torch.manual_seed(7)  # same projections for every model compared
+    loss = sliced_score_matching(score_from_log_prob(net), x, n_projections=4).mean()
+    return _flat_grads(loss, list(net.parameters()))
+
+
+def test_fixed_point_matches_long_plain_iteration():
+    deq = DEQ(TanhMap(DIM, 0.7), solver="broyden", tol=1e-12, max_iter=200)
+    u = torch.randn(5, DIM, dtype=torch.float64)
+    z = deq(u)
+    ref = torch.zeros_like(u)
+    for _ in range(300):
+        ref = deq.func(ref, u)
+    assert deq.stats.converged
+    assert torch.allclose(z, ref, atol=1e-10)
+
+
+def test_unroll_equals_hand_written_reference():
+    net = _make("unroll", max_iter=30, tol=1e-30, warn_on_nonconvergence=False)
+    x = torch.randn(4, DIM, dtype=torch.float64)
+    got = _ssm_param_grads(net, x)
+
+    def reference_logp(x):  # the same 30 Picard steps, written out
+        u = net.inp(x)
+        z = torch.zeros_like(u)
+        for _ in range(30):
+            z = net.deq.func(z, u)
+        return net.out(z).squeeze(-1) - 0.5 * (z**2).sum(-1)
+
+    torch.manual_seed(7)
+    loss = sliced_score_matching(score_from_log_prob(reference_logp), x, n_projections=4).mean()
+    ref = _flat_grads(loss, list(net.parameters()))
+    assert torch.allclose(got, ref, rtol=1e-12, atol=1e-14)
+
+
+def test_phantom_gradients_converge_to_exact_like_contraction_power():
+    rho = 0.5
+    x = torch.randn(16, DIM, dtype=torch.float64)
+    exact = _ssm_param_grads(_make("unroll", rho=rho, max_iter=200, tol=1e-14), x)
+    errors = []
+    for k in (1, 2, 4, 8, 16):
+        g = _ssm_param_grads(_make("phantom", rho=rho, phantom_steps=k), x)
+        errors.append(((g - exact).norm() / exact.norm()).item())
+    # doubling K shrinks the error at least like the contraction factor rho^K (the Neumann tail)
+    for k, (e_k, e_2k) in zip((1, 2, 4, 8), zip(errors, errors[1:], strict=False), strict=True):
+        assert e_2k <= 2 * rho**k * e_k, (k, errors)
+    assert errors[0] > 0.1 and errors[-1] < 1e-6, errors  # K=1 visibly wrong, K=16 essentially exact
+
+
+def test_phantom_jacobian_is_damped_neumann_sum():
+    """Prop. 2: K damped steps give dz_K/du = lam * sum_{k<K} (lam A + (1-lam) I)^k for f = A z + u."""
+    func = LinearMap(DIM, rho=0.6)
+    lam, K = 0.5, 3
+    deq = DEQ(func, solver="picard", tol=1e-13, max_iter=400, phantom_steps=K, phantom_damping=lam)
+    u = torch.randn(1, DIM, dtype=torch.float64, requires_grad=True)
+    jac = torch.autograd.functional.jacobian(lambda u: deq(u)[0], u)[:, 0]
+    a = func.weight.detach()
+    m = lam * a + (1 - lam) * torch.eye(DIM, dtype=torch.float64)
+    expected = lam * sum(torch.linalg.matrix_power(m, k) for k in range(K))
+    assert torch.allclose(jac, expected, atol=1e-10)
+    # and the value is the true fixed point (I - A)^-1 u
+    z = deq(u.detach())
+    assert torch.allclose(z[0], torch.linalg.solve(torch.eye(DIM, dtype=torch.float64) - a, u.detach()[0]))
+
+
+def test_injection_prestep_adds_one_neumann_term():
+    func = LinearMap(DIM, rho=0.6)
+    deq = DEQ(func, solver="picard", tol=1e-13, max_iter=400, phantom_steps=1, injection_prestep=True)
+    u = torch.randn(1, DIM, dtype=torch.float64)
+    jac = torch.autograd.functional.jacobian(lambda u: deq(u)[0], u)[:, 0]
+    a = func.weight.detach()
+    assert torch.allclose(jac, torch.eye(DIM, dtype=torch.float64) + a, atol=1e-10)
+
+
+def test_ift_is_exact_for_first_order_loss():
+    x = torch.randn(6, DIM, dtype=torch.float64)
+
+    def grads(net):
+        loss = net(x).pow(2).mean()
+        return torch.cat([g.flatten() for g in torch.autograd.grad(loss, list(net.parameters()))])
+
+    exact = grads(_make("unroll", rho=0.8, max_iter=400, tol=1e-14))
+    ift = grads(_make("ift", rho=0.8))
+    phantom1 = grads(_make("phantom", rho=0.8, phantom_steps=1))
+    assert torch.allclose(ift, exact, rtol=1e-7, atol=1e-10)
+    assert not torch.allclose(phantom1, exact, rtol=1e-3)  # the comparison can tell them apart
+
+
+def test_ift_refuses_second_order_losses():
+    net = _make("ift")
+    x = torch.randn(4, DIM, dtype=torch.float64)
+    with pytest.raises(SecondOrderIFTError, match="phantom"):
+        sliced_score_matching(score_from_log_prob(net), x).mean().backward()
+
+
+def test_warm_start_reuses_fixed_point_and_stays_out_of_checkpoints():
+    deq = DEQ(TanhMap(DIM, 0.9), solver="picard", tol=1e-10, max_iter=500, warm_start=True)
+    u = torch.randn(3, DIM, dtype=torch.float64)
+    z1 = deq(u)
+    cold = deq.stats.nstep
+    z2 = deq(u)
+    assert deq.stats.nstep < cold / 4
+    assert torch.allclose(z1, z2, atol=1e-9)
+    assert "z_cache" not in deq.state_dict()
+    deq(torch.randn(5, DIM, dtype=torch.float64))  # new shape: cold start, no shape error
+    assert deq.stats.nstep > cold / 2
+
+
+def test_eval_mode_computes_the_same_differentiable_function():
+    net = _make("phantom", phantom_steps=2)
+    x = torch.randn(4, DIM, dtype=torch.float64, requires_grad=True)
+    s_train = torch.autograd.grad(net(x).sum(), x)[0]
+    net.eval()
+    s_eval = torch.autograd.grad(net(x).sum(), x)[0]
+    assert torch.allclose(s_train, s_eval, atol=1e-10)
+
+
+def test_nonconvergence_warns_with_numbers():
+    deq = DEQ(TanhMap(DIM, 0.99), solver="picard", tol=1e-14, max_iter=3)
+    with pytest.warns(DEQConvergenceWarning, match=r"did not converge in 3 iterations: abs residual \d"):
+        deq(torch.randn(2, DIM, dtype=torch.float64))
+    assert deq.stats.converged is False
+
+
+def test_bad_settings_raise():
+    f = TanhMap(DIM)
+    with pytest.raises(KeyError, match="unknown DEQ solver"):
+        DEQ(f, solver="newton")
+    with pytest.raises(ValueError, match="backward"):
+        DEQ(f, backward="adjoint")
+    with pytest.raises(ValueError, match="phantom_steps"):
+        DEQ(f, phantom_steps=0)
+    with pytest.raises(ValueError, match="damping"):
+        DEQ(f, phantom_damping=1.5)
+
+
+def test_no_warning_when_converged():
+    deq = DEQ(TanhMap(DIM, 0.5), tol=1e-8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        deq(torch.randn(2, DIM, dtype=torch.float64))

@@ -1,0 +1,93 @@
+import math
+
+import pytest
+import torch
+
+from deqscore.deq import available_solvers, get_solver, register_solver
+from deqscore.deq.solvers import NonFiniteIterateError, picard
+
+from .helpers import TanhMap
+
+SOLVERS = ["picard", "anderson", "broyden"]
+
+
+def _reference_fixed_point(f, u, n=400):
+    z = torch.zeros_like(u)
+    for _ in range(n):
+        z = f(z, u)
+    return z
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+@pytest.mark.parametrize("per_sample", [False, True])
+@pytest.mark.parametrize("stop_mode", ["abs", "rel"])
+def test_solver_reaches_long_iteration_fixed_point(solver, per_sample, stop_mode):
+    f = TanhMap(20, rho=0.8)
+    u = torch.randn(6, 20, dtype=torch.float64)
+    ref = _reference_fixed_point(f, u)
+    with torch.no_grad():
+        z, stats = get_solver(solver)(
+            lambda z: f(z, u), torch.zeros_like(u), tol=1e-10, max_iter=300,
+            stop_mode=stop_mode, per_sample=per_sample,
+        )
+    assert stats.converged
+    assert torch.allclose(z, ref, atol=1e-8)
+    # the reported residual is the one of the returned point's preimage, below tol
+    assert (stats.abs_residual if stop_mode == "abs" else stats.rel_residual) < 1e-10
+
+
+def test_accelerated_solvers_need_fewer_evaluations_than_picard():
+    # symmetric linear map with eigenvalues spread over [0, 0.95]: Picard contracts at rate 0.95
+    q, _ = torch.linalg.qr(torch.randn(50, 50, dtype=torch.float64))
+    a = q @ torch.diag(torch.linspace(0, 0.95, 50, dtype=torch.float64)) @ q.T
+    u = torch.randn(8, 50, dtype=torch.float64)
+    nsteps = {}
+    with torch.no_grad():
+        for name in SOLVERS:
+            _, stats = get_solver(name)(lambda z: z @ a + u, torch.zeros_like(u), tol=1e-9, max_iter=1000)
+            assert stats.converged
+            nsteps[name] = stats.nstep
+    assert nsteps["anderson"] < nsteps["picard"] / 2
+    assert nsteps["broyden"] < nsteps["picard"] / 2
+
+
+def test_per_sample_stopping_waits_for_the_slowest_sample():
+    # sample 0 converges in one step (f constant), sample 1 contracts slowly
+    def f(z):
+        return torch.stack([torch.ones_like(z[0]), 0.9 * z[1] + 0.1])
+
+    z0 = torch.zeros(2, 3, dtype=torch.float64)
+    _, batch = picard(f, z0, tol=1e-3, max_iter=500, per_sample=True)
+    residual_sample1 = (0.9 ** batch.nstep) * 0.1 * 3**0.5  # closed-form residual of sample 1
+    assert batch.converged and residual_sample1 < 1e-3
+    expected_steps = math.ceil(math.log(1e-3 / (0.1 * 3**0.5)) / math.log(0.9)) + 1
+    assert batch.nstep == expected_steps
+
+
+def test_nonfinite_iterate_raises():
+    with pytest.raises(NonFiniteIterateError, match="non-finite"):
+        picard(lambda z: 2 * z + float("nan"), torch.zeros(2, 2), tol=1e-6, max_iter=5)
+
+
+def test_stats_report_nonconvergence():
+    _, stats = picard(lambda z: 0.999 * z + 1, torch.zeros(1, 1, dtype=torch.float64), tol=1e-9, max_iter=5)
+    assert not stats.converged and stats.nstep == 5
+    # z_4 = (1 - 0.999^4) / 0.001, so the last residual f(z_4) - z_4 = 0.999^4
+    assert stats.abs_residual == pytest.approx(0.999**4, rel=1e-9)
+
+
+def test_registry_rejects_unknown_and_accepts_new_solvers():
+    with pytest.raises(KeyError, match="available: .*anderson"):
+        get_solver("newton-krylov")
+    name = "half-picard-test"
+    if name not in available_solvers():
+
+        @register_solver(name)
+        def half(f, z0, *, tol, max_iter, stop_mode="abs", per_sample=False):
+            return picard(lambda z: 0.5 * (f(z) + z), z0, tol=tol, max_iter=max_iter,
+                          stop_mode=stop_mode, per_sample=per_sample)
+
+    z, stats = get_solver(name)(lambda z: 0.5 * z + 1, torch.zeros(1, 1), tol=1e-10, max_iter=200)
+    assert stats.converged and torch.allclose(z, torch.full((1, 1), 2.0))
+    with pytest.raises(ValueError, match="already registered"):
+        register_solver("picard")(picard)

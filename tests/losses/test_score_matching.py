@@ -1,0 +1,186 @@
+import pytest
+import torch
+from torch import nn
+
+from deqscore.losses import (
+    annealed_dsm,
+    annealed_fd_ssm,
+    annealed_ssm_vr,
+    denoising_score_matching,
+    exact_score_matching,
+    geometric_sigmas,
+    make_score_loss,
+    score_from_energy,
+    score_from_log_prob,
+    sliced_score_matching,
+)
+
+D = 5
+
+
+@pytest.fixture
+def gaussian():
+    """Gaussian model s(x) = -P (x - mu) with a random SPD precision P."""
+    a = torch.randn(D, D, dtype=torch.float64)
+    p = a @ a.T / D + torch.eye(D, dtype=torch.float64)
+    mu = torch.randn(D, dtype=torch.float64)
+    return p, mu, (lambda x: -(x - mu) @ p)
+
+
+def _exact_closed_form(p, mu, x):
+    return 0.5 * ((x - mu) @ p).pow(2).sum(1) - torch.trace(p)
+
+
+def test_exact_sm_gaussian_closed_form(gaussian):
+    p, mu, score = gaussian
+    x = torch.randn(7, D, dtype=torch.float64)
+    assert torch.allclose(exact_score_matching(score, x), _exact_closed_form(p, mu, x))
+
+
+def test_exact_sm_matches_finite_difference_hessian_trace_on_mlp():
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Linear(D, 16), nn.Softplus(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)).double()
+    logp = lambda x: net(x).squeeze(-1)  # noqa: E731
+    x = torch.randn(4, D, dtype=torch.float64)
+    got = exact_score_matching(score_from_log_prob(logp), x)
+    h = 1e-4
+    for b in range(x.shape[0]):
+        xb = x[b : b + 1]
+        f0 = logp(xb)
+        grad = torch.stack([(logp(xb + h * e) - logp(xb - h * e)) / (2 * h) for e in torch.eye(D, dtype=x.dtype)])
+        lap = sum((logp(xb + h * e) - 2 * f0 + logp(xb - h * e)) / h**2 for e in torch.eye(D, dtype=x.dtype))
+        expected = 0.5 * grad.pow(2).sum() + lap
+        assert got[b].item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-6)
+
+
+def test_exact_sm_works_on_image_shaped_input():
+    x = torch.randn(3, 2, 2, 2, dtype=torch.float64)
+    loss = exact_score_matching(lambda x: -2 * x, x)
+    assert torch.allclose(loss, 0.5 * 4 * x.flatten(1).pow(2).sum(1) - 2 * 8)
+
+
+@pytest.mark.parametrize("projection", ["rademacher", "gaussian", "sphere"])
+@pytest.mark.parametrize("vr", [False, True])
+def test_sliced_sm_is_unbiased_for_exact_sm(gaussian, projection, vr):
+    p, mu, score = gaussian
+    x = torch.randn(3, D, dtype=torch.float64)
+    n = 20000
+    loss = sliced_score_matching(score, x, n_projections=n, projection=projection, variance_reduction=vr)
+    expected = _exact_closed_form(p, mu, x)
+    # standard error of the Monte-Carlo mean from the per-projection spread of v^T P v and (v.s)^2
+    tol = 6 * (p.norm() * (1 + ((x - mu) @ p).norm(dim=1) ** 2)) / n**0.5
+    assert ((loss - expected).abs() < tol).all(), (loss, expected, tol)
+
+
+def test_ssm_vr_has_lower_variance_than_ssm(gaussian):
+    _, _, score = gaussian
+    x = torch.randn(1, D, dtype=torch.float64).repeat(4000, 1)
+    var_ssm = sliced_score_matching(score, x).var()
+    var_vr = sliced_score_matching(score, x, variance_reduction=True).var()
+    assert var_vr < var_ssm
+
+
+@pytest.mark.parametrize("scaling", ["sigma2", "sigma4"])
+def test_dsm_gaussian_closed_form_expectation(gaussian, scaling):
+    p, mu, score = gaussian
+    sigma = 0.3
+    x = torch.randn(1, D, dtype=torch.float64).repeat(200000, 1)
+    loss = denoising_score_matching(score, x, sigma, scaling=scaling).mean()
+    # E 0.5||sigma s(x + sigma eps) + eps||^2 = 0.5 sigma^2 ||s(x)||^2 + 0.5 tr((I - sigma^2 P)^2)
+    m = torch.eye(D, dtype=torch.float64) - sigma**2 * p
+    expected = 0.5 * sigma**2 * score(x[:1]).pow(2).sum() + 0.5 * torch.trace(m @ m)
+    if scaling == "sigma4":
+        expected = expected * sigma**2
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-2)
+
+
+def test_dsm_per_sample_sigma():
+    x = torch.randn(4, D, dtype=torch.float64)
+    sig = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    torch.manual_seed(5)
+    per = denoising_score_matching(lambda x: -x, x, sig)
+    for i in range(4):
+        torch.manual_seed(5)
+        eps = torch.randn_like(x)[i]
+        xt = x[i] + sig[i] * eps
+        assert per[i].item() == pytest.approx((0.5 * (sig[i] * -xt + eps).pow(2).sum()).item())
+
+
+def test_score_from_energy_sign():
+    x = torch.randn(3, D, dtype=torch.float64, requires_grad=True)
+    s = score_from_energy(lambda x: 0.5 * (x**2).sum(1))(x)
+    assert torch.allclose(s, -x)
+
+
+def _gauss_cond(p):
+    # noise-conditional Gaussian score of N(0, P^-1 + sigma^2 I)
+    def score(x, sigma):
+        cov = torch.linalg.inv(p) + sigma.view(-1, 1, 1) ** 2 * torch.eye(D, dtype=x.dtype)
+        return -torch.linalg.solve(cov, x.unsqueeze(-1)).squeeze(-1)
+
+    return score
+
+
+def test_annealed_dsm_closed_form(gaussian):
+    p, _, _ = gaussian
+    sigmas = geometric_sigmas(1.0, 0.1, 3)
+    score = _gauss_cond(p)
+    x = torch.randn(1, D, dtype=torch.float64).repeat(100000, 1)
+    labels = torch.full((x.shape[0],), 1)
+    loss = annealed_dsm(score, x, sigmas, labels).mean()
+    sig = sigmas[1].item()
+    a = torch.linalg.inv(torch.linalg.inv(p) + sig**2 * torch.eye(D, dtype=torch.float64))
+    m = torch.eye(D, dtype=torch.float64) - sig**2 * a
+    # E 0.5 ||sigma s(x~) + eps||^2 with s linear: 0.5 sigma^2 ||A x||^2 + 0.5 tr((I - sigma^2 A)^2)
+    expected = 0.5 * sig**2 * (x[0] @ a).pow(2).sum() + 0.5 * torch.trace(m @ m)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-2)
+
+
+@pytest.mark.parametrize("loss_fn", [annealed_ssm_vr, annealed_fd_ssm])
+def test_annealed_sliced_losses_equal_weighted_exact_sm_for_linear_scores(gaussian, loss_fn):
+    p, _, _ = gaussian
+    sigmas = geometric_sigmas(1.0, 0.1, 3)
+    score = _gauss_cond(p)
+    torch.manual_seed(11)
+    x = torch.randn(1, D, dtype=torch.float64).repeat(40000, 1)
+    labels = torch.full((x.shape[0],), 2)
+    loss = loss_fn(score, x, sigmas, labels).mean()
+    # same noise draws, exact SM of the linear score at the noisy points
+    torch.manual_seed(11)
+    sig = sigmas[2].item()
+    xt = x + sig * torch.randn_like(x)
+    a = torch.linalg.inv(torch.linalg.inv(p) + sig**2 * torch.eye(D, dtype=torch.float64))
+    expected = ((0.5 * (xt @ a).pow(2).sum(1) - torch.trace(a)) * sig**2).mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=3e-2, abs=3e-2 * sig**2 * torch.trace(a).item())
+
+
+def test_bad_inputs_raise_clear_errors():
+    x = torch.randn(4, D)
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        exact_score_matching(lambda x: -x, bad)
+    with pytest.raises(ValueError, match="shape of x"):
+        sliced_score_matching(lambda x: -x[:, :2], x)
+    w = nn.Parameter(torch.ones(D))
+    with pytest.raises(ValueError, match="does not depend on x"):
+        sliced_score_matching(lambda x: w.expand_as(x), x)
+    with pytest.raises(ValueError, match="does not depend on x"):
+        exact_score_matching(lambda x: w.expand_as(x) * 1.0, x)
+    with pytest.raises(ValueError, match="does not depend on x"):
+        exact_score_matching(lambda x: torch.zeros_like(x), x)
+    with pytest.raises(ValueError, match="unknown projection"):
+        sliced_score_matching(lambda x: -x, x, projection="uniform")
+    with pytest.raises(ValueError, match="unknown score-matching loss"):
+        make_score_loss("nce")
+
+
+def test_make_score_loss_builds_each_loss(gaussian):
+    p, mu, score = gaussian
+    x = torch.randn(2, D, dtype=torch.float64)
+    assert torch.allclose(make_score_loss("exact")(score, x), _exact_closed_form(p, mu, x))
+    torch.manual_seed(0)
+    a = make_score_loss("ssm_vr", n_projections=3, projection="gaussian")(score, x)
+    torch.manual_seed(0)
+    b = sliced_score_matching(score, x, n_projections=3, projection="gaussian", variance_reduction=True)
+    assert torch.equal(a, b)
