@@ -80,11 +80,11 @@ def available_solvers() -> list[str]:
 
 
 def get_solver(name: str) -> Solver:
-    """Look a solver up by name; unknown names raise a ``KeyError`` listing the known ones."""
+    """Look a solver up by name; unknown names raise a ``ValueError`` listing the known ones."""
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise KeyError(f"unknown DEQ solver {name!r}; available: {', '.join(available_solvers())}") from None
+        raise ValueError(f"unknown DEQ solver {name!r}; available: {', '.join(available_solvers())}") from None
 
 
 class _Monitor:

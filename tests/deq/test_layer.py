@@ -166,7 +166,7 @@ def test_nonconvergence_warns_with_numbers():
 
 def test_bad_settings_raise():
     f = TanhMap(DIM)
-    with pytest.raises(KeyError, match="unknown DEQ solver"):
+    with pytest.raises(ValueError, match="unknown DEQ solver"):
         DEQ(f, solver="newton")
     with pytest.raises(ValueError, match="backward"):
         DEQ(f, backward="adjoint")

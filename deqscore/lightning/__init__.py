@@ -1,0 +1,18 @@
+"""Lightning layer: one LightningModule per model family around a plain network, callbacks and the CLI."""
+
+from .base import CheckpointFamilyError, NonFiniteLossError, ScoreModule, family_registry
+from .callbacks import LearningCurves, SampleGrid
+from .checkpoint import load_module
+from .nice import NICE_LOSSES, NICEModule
+
+__all__ = [
+    "NICE_LOSSES",
+    "CheckpointFamilyError",
+    "LearningCurves",
+    "NICEModule",
+    "NonFiniteLossError",
+    "SampleGrid",
+    "ScoreModule",
+    "family_registry",
+    "load_module",
+]

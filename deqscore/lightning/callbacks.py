@@ -1,0 +1,95 @@
+"""Callbacks: sample grids during training and learning-curve plots from the run's CSV log."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytorch_lightning as pl
+from pytorch_lightning.utilities import rank_zero_only
+
+from ..sampling import save_image_grid
+
+
+def run_dir(trainer: pl.Trainer) -> Path:
+    """The run directory: the logger's log_dir, else the trainer's root dir."""
+    return Path(trainer.log_dir or trainer.default_root_dir)
+
+
+class SampleGrid(pl.Callback):
+    """Write a PNG grid of ``n_samples`` model samples every ``every_n_epochs`` epochs and at the end of fit.
+
+    Files: ``<run>/samples/epoch_<e>.png`` and ``<run>/samples.png``. The module must have ``sample(n)``
+    returning images in [0, 1].
+    """
+
+    def __init__(self, n_samples: int = 64, every_n_epochs: int = 0):
+        self.n_samples, self.every_n_epochs = n_samples, every_n_epochs
+
+    @rank_zero_only
+    def _write(self, trainer: pl.Trainer, module: pl.LightningModule, path: Path) -> None:
+        was_training = module.training
+        module.eval()
+        save_image_grid(module.sample(self.n_samples), path)
+        module.train(was_training)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
+            self._write(trainer, module, run_dir(trainer) / "samples" / f"epoch_{trainer.current_epoch:04d}.png")
+
+    def on_fit_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self._write(trainer, module, run_dir(trainer) / "samples.png")
+
+
+def read_metrics_csv(path: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """Read a Lightning CSVLogger ``metrics.csv`` into ``{metric: [(step, value), ...]}``."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            step = int(row.get("step") or 0)
+            for key, value in row.items():
+                if key not in ("step", "epoch") and value not in ("", None):
+                    series.setdefault(key, []).append((step, float(value)))
+    return series
+
+
+class LearningCurves(pl.Callback):
+    """At the end of fit, plot training and validation curves from ``<run>/metrics.csv`` to ``<run>/curves.png``.
+
+    ``metrics``: names to plot, one panel each (train and val variants share a panel).
+    """
+
+    def __init__(self, metrics: tuple[str, ...] = ("loss", "exact_sm", "log_likelihood")):
+        self.metrics = metrics
+
+    @rank_zero_only
+    def on_fit_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        for logger in trainer.loggers:
+            logger.save()
+        csv_path = run_dir(trainer) / "metrics.csv"
+        if csv_path.exists():
+            plot_learning_curves(csv_path, run_dir(trainer) / "curves.png", self.metrics)
+
+
+def plot_learning_curves(csv_path: str | Path, out: str | Path, metrics: tuple[str, ...]) -> Path:
+    """Plot ``train/<m>`` (per step) and ``val/<m>`` (per validation) for each metric found in the CSV."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = read_metrics_csv(csv_path)
+    names = [m for m in metrics if f"train/{m}" in series or f"val/{m}" in series]
+    fig, axes = plt.subplots(1, max(len(names), 1), figsize=(4.5 * max(len(names), 1), 3.5), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=False):
+        for stage, style in (("train", "-"), ("val", "o-")):
+            points = series.get(f"{stage}/{name}")
+            if points:
+                ax.plot(*zip(*points, strict=True), style, label=stage, markersize=3)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return Path(out)

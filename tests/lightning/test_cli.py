@@ -1,0 +1,154 @@
+import hashlib
+
+import pytest
+import pytorch_lightning as pl
+import torch
+
+from deqscore.deq import DEQ
+from deqscore.lightning import CheckpointFamilyError, NICEModule, NonFiniteLossError, load_module
+from deqscore.lightning.cli import DeqscoreCLI, main
+
+from .conftest import CONFIGS, ROOT, tiny_args
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(ROOT / "configs")))
+def test_every_config_parses_and_instantiates(config, tmp_path):
+    cli = DeqscoreCLI(args=["--config", str(config), "--runs_root", str(tmp_path)], run=False)
+    model = cli.model
+    assert isinstance(model, NICEModule)
+    n_deq = sum(isinstance(m, DEQ) for m in model.modules())
+    # a DEQ config really builds DEQ layers, one per coupling; an explicit one none
+    assert n_deq == (model.hparams.n_couplings if model.hparams.m_net == "deq" else 0)
+    assert cli.trainer.validate_loop.inference_mode is False and cli.trainer.test_loop.inference_mode is False
+    assert str(cli.trainer.default_root_dir).startswith(str(tmp_path))
+
+
+LOSSES = ["exact", "ssm", "ssm_vr", "dsm", "mle"]
+
+
+@pytest.mark.parametrize("m_net", ["explicit", "deq"])
+@pytest.mark.parametrize("loss", [*LOSSES, "kingma", "cp"])
+def test_fast_dev_run_every_loss(m_net, loss, tmp_path):
+    args = ["fit", *tiny_args(tmp_path), "--model.init_args.m_net", m_net, "--model.init_args.loss", loss,
+            "--trainer.fast_dev_run", "1"]
+    if m_net == "deq" and loss in ("kingma", "cp"):
+        with pytest.raises(ValueError, match="only with m_net='explicit'"):
+            main(args)
+        return
+    cli = DeqscoreCLI(args=args[1:], run=False)
+    before = {k: v.clone() for k, v in cli.model.state_dict().items()}
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    metrics = cli.trainer.callback_metrics
+    assert torch.isfinite(metrics["train/loss"]) and torch.isfinite(metrics["val/loss"])
+    assert torch.isfinite(metrics["val/log_likelihood"]) and torch.isfinite(metrics["val/exact_sm"])
+    changed = [k for k, v in cli.model.state_dict().items() if not torch.equal(v, before[k])]
+    assert changed, "one training step must change the parameters"
+    if m_net == "deq":
+        assert metrics["train/deq/nstep"] >= 1 and metrics["train/deq/converged"] == 1
+
+
+def test_unknown_names_are_rejected(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        DeqscoreCLI(args=[*tiny_args(tmp_path), "--model.init_args.no_such_key", "1"], run=False)
+    assert "no_such_key" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown NICE loss 'nce'"):
+        DeqscoreCLI(args=[*tiny_args(tmp_path), "--model.init_args.loss", "nce"], run=False)
+    with pytest.raises(ValueError, match="unknown DEQ solver 'newton'"):
+        DeqscoreCLI(args=[*tiny_args(tmp_path), "--model.init_args.solver", "newton"], run=False)
+    with pytest.raises(ValueError, match="inference_mode must be false"):
+        DeqscoreCLI(args=[*tiny_args(tmp_path), "--trainer.inference_mode", "true"], run=False)
+
+
+def _fit(tmp_path, run_name, epochs, extra=(), ckpt=None, config="configs/nice/explicit.yaml"):
+    args = ["fit", *tiny_args(tmp_path, config, run_name), "--trainer.max_epochs", str(epochs), *extra]
+    if ckpt:
+        args += ["--ckpt_path", str(ckpt)]
+    return main(args)
+
+
+@pytest.mark.parametrize("config", ["configs/nice/explicit.yaml", "configs/nice/deq.yaml"])
+def test_resume_continues_exactly(tmp_path, config):
+    straight = _fit(tmp_path, "straight", 2, config=config)
+    first = _fit(tmp_path, "resumed", 1, config=config)
+    run = tmp_path / "resumed"
+    assert (run / "config.yaml").is_file() and (run / "checkpoints" / "last.ckpt").is_file()
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    assert "z_cache" not in "".join(ckpt["state_dict"])  # warm-start buffers are not saved
+    # resume from nothing but the run directory: its saved config and checkpoint
+    resumed = main(["fit", "--config", str(run / "config.yaml"), "--trainer.max_epochs", "2",
+                    "--ckpt_path", str(run / "checkpoints" / "last.ckpt")])
+    assert resumed.trainer.global_step == straight.trainer.global_step == 2 * first.trainer.global_step
+    a, b = straight.model.state_dict(), resumed.model.state_dict()
+    # DEQ warm starts differ after a resume (the cache is not saved), which moves the result within the solver
+    # tolerance; explicit networks must match to float rounding.
+    tol = 1e-6 if "explicit" in config else 1e-3
+    for key in a:
+        assert torch.allclose(a[key], b[key], rtol=tol, atol=tol), key
+    opt_a = straight.trainer.optimizers[0].state_dict()["state"]
+    opt_b = resumed.trainer.optimizers[0].state_dict()["state"]
+    assert all(opt_a[i]["step"] == opt_b[i]["step"] for i in opt_a)
+    la = straight.trainer.callback_metrics["train/loss"]
+    lb = resumed.trainer.callback_metrics["train/loss"]
+    assert torch.allclose(la, lb, rtol=tol)
+    # the resumed run's CSV log keeps the first epoch's rows and continues them
+    from deqscore.lightning.callbacks import read_metrics_csv
+
+    steps = [s for s, _ in read_metrics_csv(run / "metrics.csv")["train/loss"]]
+    assert steps == sorted(steps) and steps[0] == 0 and steps[-1] == resumed.trainer.global_step - 1
+
+
+def _sha(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+class PoisonFromStep4(pl.Callback):
+    """From global step 4 on, the model's output becomes NaN."""
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step >= 4:
+            with torch.no_grad():
+                module.net.log_scale[0] = float("nan")
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    _fit(tmp_path, "nan", 1)
+    last = tmp_path / "nan" / "checkpoints" / "last.ckpt"
+    digest = _sha(last)
+    args = ["fit", "--config", str(tmp_path / "nan" / "config.yaml"), "--trainer.max_epochs", "3",
+            f"--trainer.callbacks+={__name__}.PoisonFromStep4", "--ckpt_path", str(last)]
+    with pytest.raises(NonFiniteLossError, match="global step 4"):
+        main(args)
+    assert _sha(last) == digest
+    state = torch.load(last, weights_only=False)["state_dict"]
+    assert all(torch.isfinite(v).all() for v in state.values())
+
+
+def test_sample_script_and_checkpoint_family(tmp_path, root):
+    import numpy as np
+
+    import sample
+
+    _fit(tmp_path, "s", 1)
+    ckpt = tmp_path / "s" / "checkpoints" / "last.ckpt"
+    sample.main(["--checkpoint", str(ckpt), "--num-samples", "10", "--out", str(tmp_path / "out"), "--batch-size", "4"])
+    arr = np.load(tmp_path / "out" / "samples.npz")["samples"]
+    assert arr.shape == (10, 1, 28, 28) and (arr >= 0).all() and (arr <= 1).all()
+    assert (tmp_path / "out" / "samples.png").stat().st_size > 0
+    # the samples are the flow's inverse of N(0, I): mapping them back gives latents of unit variance
+    module = load_module(ckpt)
+    y = module.net(torch.logit(torch.from_numpy(arr).view(10, -1).double().clamp(1e-6, 1 - 1e-6)).float())
+    assert 0.5 < y.std().item() < 1.5
+
+    # a checkpoint of another family is refused with a clear message
+    bad = torch.load(ckpt, weights_only=False)
+    bad["deqscore_family"] = "ncsn"
+    torch.save(bad, tmp_path / "other.ckpt")
+    with pytest.raises(CheckpointFamilyError, match="ncsn"):
+        load_module(tmp_path / "other.ckpt")
+    with pytest.raises(CheckpointFamilyError, match="not 'nice'"):
+        NICEModule(hidden=12, n_layers=3).on_load_checkpoint(bad)
+    with pytest.raises(FileNotFoundError):
+        load_module(tmp_path / "missing.ckpt")
+    (tmp_path / "junk.ckpt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="not a readable"):
+        load_module(tmp_path / "junk.ckpt")
