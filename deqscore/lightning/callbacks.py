@@ -12,8 +12,12 @@ from ..sampling import save_image_grid
 
 
 def run_dir(trainer: pl.Trainer) -> Path:
-    """The run directory: the logger's log_dir, else the trainer's root dir."""
-    return Path(trainer.log_dir or trainer.default_root_dir)
+    """The run directory: the first logger's log_dir, else the trainer's root dir.
+
+    (Not ``trainer.log_dir``: it broadcasts across processes, which hangs when called on rank zero only.)
+    """
+    log_dir = getattr(trainer.loggers[0], "log_dir", None) if trainer.loggers else None
+    return Path(log_dir or trainer.default_root_dir)
 
 
 class SampleGrid(pl.Callback):

@@ -10,6 +10,7 @@ grids and learning curves. Resuming needs only that directory::
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 from jsonargparse import Namespace
@@ -27,6 +28,18 @@ def _logger_config(runs_root: str, run_name: str) -> list[Namespace]:
             Namespace(class_path="pytorch_lightning.loggers.TensorBoardLogger", init_args=Namespace(**args))
         )
     return loggers
+
+
+def keep_previous_metrics(run_dir: Path) -> Path | None:
+    """A fresh (not resumed) fit in an existing run directory starts a new ``metrics.csv``; the old one is
+    renamed ``metrics.<n>.csv`` rather than deleted. (A resumed fit appends to it instead.)"""
+    old = run_dir / "metrics.csv"
+    if not old.is_file():
+        return None
+    n = 1
+    while (run_dir / f"metrics.{n}.csv").exists():
+        n += 1
+    return old.rename(run_dir / f"metrics.{n}.csv")
 
 
 class DeqscoreCLI(LightningCLI):
@@ -49,7 +62,10 @@ class DeqscoreCLI(LightningCLI):
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         if cfg.trainer.logger in (None, True):
             cfg.trainer.logger = _logger_config(cfg.runs_root, cfg.run_name)
-        cfg.trainer.default_root_dir = str(Path(cfg.runs_root) / cfg.run_name)
+        run_dir = Path(cfg.runs_root) / cfg.run_name
+        cfg.trainer.default_root_dir = str(run_dir)
+        if self.subcommand == "fit" and not cfg.get("ckpt_path") and os.environ.get("LOCAL_RANK", "0") == "0":
+            keep_previous_metrics(run_dir)
         if cfg.trainer.inference_mode:
             raise ValueError("trainer.inference_mode must be false: score matching needs input gradients")
 

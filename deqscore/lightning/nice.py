@@ -93,11 +93,18 @@ class NICEModule(ScoreModule):
 
     def eval_metrics(self, x: torch.Tensor, stage: str, batch_idx: int) -> dict[str, torch.Tensor]:
         logp = self.net.log_prob(x).detach()
-        metrics = {"log_likelihood": logp.mean(), "bits_per_dim": bits_per_dim(logp, inverse_logit(x)).mean()}
+        metrics = {"log_likelihood": logp.mean(), "bits_per_dim": self._bits_per_dim(logp, x).mean()}
         if self.exact_sm_batches < 0 or batch_idx < self.exact_sm_batches:
             subset = x[: self.exact_sm_samples]
             metrics["exact_sm"] = exact_score_matching(self.score, subset, create_graph=False).mean()
         return metrics
+
+    def _bits_per_dim(self, logp: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # the data module knows its pre-processing (clamp or invertible squeeze); without one, assume the clamp
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if hasattr(datamodule, "bits_per_dim"):
+            return datamodule.bits_per_dim(logp, x)
+        return bits_per_dim(logp, inverse_logit(x))
 
     @torch.no_grad()
     def sample(self, n: int) -> torch.Tensor:

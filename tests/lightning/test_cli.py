@@ -3,7 +3,9 @@ import hashlib
 import pytest
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
 
+from deqscore.data import MNISTDataModule
 from deqscore.deq import DEQ
 from deqscore.lightning import CheckpointFamilyError, NICEModule, NonFiniteLossError, load_module
 from deqscore.lightning.cli import DeqscoreCLI, main
@@ -21,6 +23,11 @@ def test_every_config_parses_and_instantiates(config, tmp_path):
     assert n_deq == (model.hparams.n_couplings if model.hparams.m_net == "deq" else 0)
     assert cli.trainer.validate_loop.inference_mode is False and cli.trainer.test_loop.inference_mode is False
     assert str(cli.trainer.default_root_dir).startswith(str(tmp_path))
+    assert isinstance(cli.datamodule, MNISTDataModule)  # every config is complete on its own
+    assert any(isinstance(c, ModelCheckpoint) and c.save_last for c in cli.trainer.callbacks)
+    if config.name == "deq_reference.yaml":  # the reference code's settings (METHOD.md 2.5, 7)
+        hp = model.hparams
+        assert (hp.n_couplings, hp.phantom_steps, hp.injection_prestep, hp.tol) == (2, 1, True, 2e-5)
 
 
 LOSSES = ["exact", "ssm", "ssm_vr", "dsm", "mle"]
@@ -152,3 +159,15 @@ def test_sample_script_and_checkpoint_family(tmp_path, root):
     (tmp_path / "junk.ckpt").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="not a readable"):
         load_module(tmp_path / "junk.ckpt")
+
+
+def test_fresh_fit_in_existing_run_dir_keeps_old_metrics(tmp_path):
+    from deqscore.lightning.cli import keep_previous_metrics
+
+    assert keep_previous_metrics(tmp_path) is None
+    (tmp_path / "metrics.csv").write_text("step,train/loss\n0,1.0\n")
+    moved = keep_previous_metrics(tmp_path)
+    assert moved == tmp_path / "metrics.1.csv" and moved.read_text().startswith("step")
+    (tmp_path / "metrics.csv").write_text("x")
+    assert keep_previous_metrics(tmp_path) == tmp_path / "metrics.2.csv"
+    assert not (tmp_path / "metrics.csv").exists()

@@ -1,0 +1,21 @@
+"""Benchmarks of the DEQ layer for score matching: memory, phantom-gradient fidelity, solvers, NICE.
+
+Run::
+
+    python -m deqscore.bench                       # full sizes (NICE m-net 392/1000, batch 128); minutes on CPU
+    python -m deqscore.bench --quick               # small sizes, a few seconds (CI, tests)
+    python -m deqscore.bench --device cpu --repeats 3 --sections memory_vs_iterations,solvers --out DIR
+
+It writes ``bench.md`` (markdown tables) and ``bench.json`` (the same numbers) to ``--out`` (default
+``benchmarks/results``). Sections: ``memory_vs_iterations`` (activation memory of one SSM step, phantom vs
+unrolled DEQ vs explicit MLP), ``phantom_fidelity`` (phantom vs exact SSM gradients, float64), ``solvers``
+(Picard/Anderson/Broyden function evaluations) and ``nice`` (explicit vs DEQ NICE); then a targets table with
+pass/fail computed from the measurements. Times are medians over ``--repeats`` steps after one warm-up
+(fewer for rows that would exceed the row budget); all sizes are in :mod:`deqscore.bench.settings`.
+
+From Python: ``run(quick=True, device="cpu", out_dir=tmp_path)`` returns the JSON document.
+"""
+
+from .runner import main, run
+
+__all__ = ["main", "run"]

@@ -1,0 +1,93 @@
+"""``run()`` and the command line of the benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .measure import environment, log
+from .report import Table, write_reports
+from .sections import SECTION_FUNCS
+from .settings import DEFAULT_OUT, SECTIONS, Settings, get_settings
+from .targets import targets
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """``cuda`` when available and not asked otherwise; asking for CUDA without one is an error."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda asked for, but CUDA is not available")
+    return dev
+
+
+def check_sections(sections: Sequence[str] | None) -> list[str]:
+    """The requested sections in benchmark order; unknown names raise."""
+    if sections is None:
+        return list(SECTIONS)
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
+    return [name for name in SECTIONS if name in sections]
+
+
+def run(
+    quick: bool = False,
+    device: str | None = None,
+    out_dir: str | Path = DEFAULT_OUT,
+    sections: Sequence[str] | None = None,
+    repeats: int | None = None,
+    threads: int | None = None,
+) -> dict:
+    """Run the benchmark sections, write ``bench.md``/``bench.json`` to ``out_dir``, return the JSON document.
+
+    ``threads`` sets torch's intra-op threads for the run (restored afterwards); default: leave them as they are.
+    """
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _run(get_settings(quick, repeats), resolve_device(device), Path(out_dir), check_sections(sections))
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _run(settings: Settings, dev: torch.device, out_dir: Path, names: list[str]) -> dict:
+    start = time.perf_counter()
+    tables: dict[str, Table] = {}
+    for name in names:
+        log(f"section {name} ({settings.mode})")
+        tables[name] = SECTION_FUNCS[name](settings, dev)
+    header = {**environment(dev), "mode": settings.mode, "sections": ", ".join(names)}
+    header["runtime"] = f"{time.perf_counter() - start:.0f} s"
+    all_tables = [*tables.values(), targets(tables, settings)]
+    doc = write_reports(out_dir, header, settings.as_dict(), all_tables)
+    log(f"wrote {out_dir / 'bench.md'} and bench.json in {header['runtime']}")
+    return doc
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m deqscore.bench", description=importlib.import_module(__package__).__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--quick", action="store_true", help="small sizes (CI/tests, a few seconds)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
+    parser.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
+    parser.add_argument("--sections", default=None, help=f"comma-separated subset of: {','.join(SECTIONS)}")
+    parser.add_argument("--repeats", type=int, default=None, help="timed steps per row (default: 5 full, 2 quick)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()] if args.sections else None
+    run(quick=args.quick, device=args.device, out_dir=args.out, sections=sections, repeats=args.repeats,
+        threads=args.threads)
