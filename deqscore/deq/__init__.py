@@ -1,6 +1,6 @@
 """DEQ engine: solvers, the DEQ layer and contraction helpers."""
 
-from .layer import BACKWARD_MODES, DEQ, DEQConvergenceWarning, SecondOrderIFTError
+from .layer import BACKWARD_MODES, DEQ, DEQConvergenceWarning, SecondOrderIFTError, deq_backward
 from .norm import FrobeniusScale, frobenius_scale, spectral_normalize
 from .solvers import (
     NonFiniteIterateError,
@@ -19,6 +19,7 @@ __all__ = [
     "SecondOrderIFTError",
     "SolverStats",
     "available_solvers",
+    "deq_backward",
     "frobenius_scale",
     "get_solver",
     "register_solver",

@@ -31,6 +31,8 @@ records depends on ``backward``:
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -211,3 +213,23 @@ class DEQ(nn.Module):
 
         fz.register_hook(implicit_grad)
         return fz
+
+
+@contextmanager
+def deq_backward(module: nn.Module, backward: str) -> Iterator[None]:
+    """Temporarily set the backward mode of every DEQ layer inside ``module``.
+
+    Used to evaluate a second-order metric (e.g. exact SM) of a model trained with ``backward="ift"``:
+    ``"unroll"`` gives the exact derivatives of the converged layer.
+    """
+    if backward not in BACKWARD_MODES:
+        raise ValueError(f"unknown DEQ backward {backward!r}; choose one of {BACKWARD_MODES}")
+    layers = [m for m in module.modules() if isinstance(m, DEQ)]
+    saved = [m.backward for m in layers]
+    for m in layers:
+        m.backward = backward
+    try:
+        yield
+    finally:
+        for m, mode in zip(layers, saved, strict=True):
+            m.backward = mode

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..data.transforms import bits_per_dim, inverse_logit
+from ..deq import deq_backward
 from ..losses import SCORE_LOSSES, exact_score_matching, make_score_loss, score_from_log_prob
 from ..losses.approx_backprop import curvature_propagation_score_matching, kingma_score_matching
 from ..models import NICE
@@ -64,6 +65,11 @@ class NICEModule(ScoreModule):
             raise ValueError(f"unknown NICE loss {loss!r}; choose one of {NICE_LOSSES}")
         if loss in ("kingma", "cp") and m_net != "explicit":
             raise ValueError(f"loss {loss!r} (approximate backprop) works only with m_net='explicit'")
+        if backward == "ift" and m_net == "deq" and loss != "mle":
+            raise ValueError(
+                f"backward='ift' gives wrong parameter gradients for the second-order loss {loss!r} (its input "
+                "gradient is differentiated again); use backward='phantom' or 'unroll', or loss='mle'"
+            )
         self.net = NICE(
             dim=dim, n_couplings=n_couplings, m_net=m_net, hidden=hidden, n_layers=n_layers, deq_scale=deq_scale,
             grad_through_norm=grad_through_norm, solver=solver, max_iter=max_iter, tol=tol, stop_mode=stop_mode,
@@ -96,7 +102,10 @@ class NICEModule(ScoreModule):
         metrics = {"log_likelihood": logp.mean(), "bits_per_dim": self._bits_per_dim(logp, x).mean()}
         if self.exact_sm_batches < 0 or batch_idx < self.exact_sm_batches:
             subset = x[: self.exact_sm_samples]
-            metrics["exact_sm"] = exact_score_matching(self.score, subset, create_graph=False).mean()
+            # an IFT layer cannot be differentiated twice; unrolling gives the converged layer's exact derivatives
+            mode = "unroll" if self.hparams.backward == "ift" else self.hparams.backward
+            with deq_backward(self.net, mode):
+                metrics["exact_sm"] = exact_score_matching(self.score, subset, create_graph=False).mean()
         return metrics
 
     def _bits_per_dim(self, logp: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

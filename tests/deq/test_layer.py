@@ -181,3 +181,17 @@ def test_no_warning_when_converged():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         deq(torch.randn(2, DIM, dtype=torch.float64))
+
+
+def test_deq_backward_switches_modes_temporarily():
+    from deqscore.deq import deq_backward
+
+    net = _make("ift", rho=0.8)
+    x = torch.randn(4, DIM, dtype=torch.float64)
+    exact = _ssm_param_grads(_make("unroll", rho=0.8, max_iter=400, tol=1e-14), x)
+    with deq_backward(net, "unroll"):
+        got = _ssm_param_grads(net, x)
+    assert torch.allclose(got, exact, rtol=1e-6, atol=1e-10)
+    assert net.deq.backward == "ift"
+    with pytest.raises(ValueError, match="unknown DEQ backward"), deq_backward(net, "adjoint"):
+        pass

@@ -171,3 +171,33 @@ def test_fresh_fit_in_existing_run_dir_keeps_old_metrics(tmp_path):
     (tmp_path / "metrics.csv").write_text("x")
     assert keep_previous_metrics(tmp_path) == tmp_path / "metrics.2.csv"
     assert not (tmp_path / "metrics.csv").exists()
+
+
+def test_ift_is_refused_for_score_losses_and_allowed_for_mle(tmp_path):
+    with pytest.raises(ValueError, match="backward='ift' gives wrong parameter gradients"):
+        NICEModule(hidden=12, n_layers=3, backward="ift", loss="ssm")
+    # MLE needs first derivatives only: IFT trains, and exact SM is still evaluated (through an unroll)
+    args = ["fit", *tiny_args(tmp_path), "--model.init_args.backward", "ift", "--model.init_args.loss", "mle",
+            "--trainer.fast_dev_run", "1"]
+    cli = main(args)
+    assert torch.isfinite(cli.trainer.callback_metrics["val/exact_sm"])
+    assert all(d.backward == "ift" for d in cli.model.deq_layers())
+
+
+def test_training_improves_the_model_and_test_is_reproducible(tmp_path):
+    cli = _fit(tmp_path, "learn", 4, ["--model.init_args.lr", "3e-3", "--model.init_args.exact_sm_samples", "16"],
+               config="configs/nice/deq.yaml")
+    from deqscore.lightning.callbacks import read_metrics_csv
+
+    run = tmp_path / "learn"
+    series = read_metrics_csv(run / "metrics.csv")
+    ll = [v for _, v in series["val/log_likelihood"]]
+    sm = [v for _, v in series["val/exact_sm"]]
+    assert ll[-1] > ll[0] and sm[-1] < sm[0], (ll, sm)  # SSM training lowers exact SM and raises likelihood
+    assert (run / "samples.png").is_file() and (run / "curves.png").is_file()
+    ckpt = str(run / "checkpoints" / "last.ckpt")
+    results = [main(["test", "--config", str(run / "config.yaml"), "--ckpt_path", ckpt]).trainer.callback_metrics
+               for _ in range(2)]
+    for key in ("test/log_likelihood", "test/bits_per_dim", "test/exact_sm", "test/loss"):
+        assert torch.isfinite(results[0][key]) and results[0][key] == results[1][key], key
+    assert cli.trainer.global_step == 4 * 3

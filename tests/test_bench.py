@@ -1,0 +1,109 @@
+"""The benchmark in quick mode: files, sections and the deterministic numbers (memory, gradient fidelity).
+
+No timing is asserted: the machine may be shared.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deqscore.bench import main, run
+from deqscore.bench.settings import QUICK, SECTIONS
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    doc = run(quick=True, device="cpu", out_dir=out, threads=1)
+    return out, doc
+
+
+def _rows(doc: dict, section: str) -> list[dict]:
+    return doc["sections"][section]["rows"]
+
+
+def _memory(doc: dict, model: str) -> dict[int, float]:
+    return {r["n"]: r["act_mib"] for r in _rows(doc, "memory_vs_iterations") if r["model"] == model}
+
+
+def test_files_and_sections(result):
+    out, doc = result
+    md = (out / "bench.md").read_text()
+    assert json.loads((out / "bench.json").read_text())["sections"].keys() == doc["sections"].keys()
+    for name in (*SECTIONS, "targets"):
+        assert f"## {doc['sections'][name]['title']}" in md
+    for key in ("device", "torch", "threads", "date"):
+        assert f"**{key}**" in md
+    assert doc["settings"]["mode"] == "quick"
+
+
+def test_deq_rows_run_exactly_the_requested_iterations(result):
+    for row in _rows(result[1], "memory_vs_iterations"):
+        if row["model"] in ("phantom", "unroll"):
+            assert row["solver_iters"] == row["n"]
+
+
+def test_phantom_memory_is_flat_in_iterations(result):
+    mem = _memory(result[1], "phantom")
+    assert sorted(mem) == sorted(QUICK.mem_iterations)
+    assert max(mem.values()) <= 1.05 * min(mem.values())
+
+
+def test_unroll_memory_grows_linearly(result):
+    mem = _memory(result[1], "unroll")
+    assert mem[128] >= 8 * mem[8]
+    assert mem[32] > mem[8]
+
+
+def test_explicit_memory_grows_with_depth(result):
+    mem = _memory(result[1], "explicit MLP")
+    depths = sorted(mem)
+    assert all(mem[a] < mem[b] for a, b in zip(depths, depths[1:], strict=False))
+
+
+def test_phantom_fidelity_improves_with_k(result):
+    rows = [r for r in _rows(result[1], "phantom_fidelity") if r["variant"] == "phantom"]
+    errors = [r["rel_error"] for r in sorted(rows, key=lambda r: r["K"])]
+    floor = 1e-14  # float64 rounding
+    assert all(b < a or b < floor for a, b in zip(errors, errors[1:], strict=False)), errors
+    assert next(r for r in rows if r["K"] == 8)["cosine"] > 0.99
+
+
+def test_targets_computed_from_measurements(result):
+    targets = _rows(result[1], "targets")
+    assert {t["pass"] for t in targets} <= {"PASS", "FAIL"}
+    flat, ratio = targets[0], targets[1]
+    assert flat["pass"] == "PASS" and flat["value"] <= 0.05
+    phantom, unroll = _memory(result[1], "phantom"), _memory(result[1], "unroll")
+    assert ratio["value"] == pytest.approx(phantom[32] / unroll[32])
+    assert ratio["pass"] == ("PASS" if ratio["value"] <= 0.1 else "FAIL")
+
+
+def test_solver_rows_report_convergence(result):
+    rows = _rows(result[1], "solvers")
+    assert {r["solver"] for r in rows} == {"picard", "anderson", "broyden"}
+    assert all(r["converged"] or r["fevals"] == QUICK.sol_max_iter for r in rows)
+    assert all(1 <= r["fevals"] <= QUICK.sol_max_iter for r in rows)
+    assert all(r["vs_picard"] == 1.0 for r in rows if r["solver"] == "picard")
+
+
+def test_nice_section_reports_ratios_and_solver_iterations(result):
+    rows = _rows(result[1], "nice")
+    deq = [r for r in rows if r["model"].startswith("deq")]
+    assert len(deq) == len(QUICK.nice_couplings)
+    assert all(r["solver_iters"] for r in deq)
+    assert sum(r["model"].startswith("ratio") for r in rows) == len(QUICK.nice_couplings)
+
+
+def test_cli_runs_a_subset(tmp_path):
+    main(["--quick", "--device", "cpu", "--threads", "1", "--sections", "solvers", "--out", str(tmp_path)])
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert list(doc["sections"]) == ["solvers", "targets"]
+    assert doc["sections"]["targets"]["rows"][0]["pass"] == "not run"
+
+
+def test_unknown_section_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="unknown sections"):
+        run(quick=True, device="cpu", out_dir=tmp_path, sections=["nope"])
