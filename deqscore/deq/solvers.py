@@ -198,7 +198,15 @@ def anderson(
         ridge = lam * GG.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-30)
         H[:, 1 : n + 1, 1 : n + 1] = GG + ridge[:, None, None] * torch.eye(n, dtype=x.dtype, device=x.device)
         alpha = torch.linalg.solve(H[:, : n + 1, : n + 1], y[:, : n + 1])[:, 1 : n + 1, 0]
-        xk = beta * (alpha[:, None] @ F[:, :n])[:, 0] + (1 - beta) * (alpha[:, None] @ X[:, :n])[:, 0]
+        # sum(alpha) = 1, so sum_i alpha_i F_i = F_last + sum_i alpha_i (F_i - F_last): written as a correction
+        # of the last image, the rounding error scales with the (vanishing) differences, not with ||F||; the
+        # plain weighted sum stalls at ~eps * ||F|| in float32.
+        last = (k - 1) % m
+        mix_f = F[:, last] + (alpha[:, None] @ (F[:, :n] - F[:, last : last + 1]))[:, 0]
+        xk = mix_f
+        if beta != 1.0:
+            mix_x = X[:, last] + (alpha[:, None] @ (X[:, :n] - X[:, last : last + 1]))[:, 0]
+            xk = beta * mix_f + (1 - beta) * mix_x
         X[:, k % m] = xk
         F[:, k % m] = fl(xk)
         converged = mon.update(X[:, k % m], F[:, k % m])

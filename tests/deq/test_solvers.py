@@ -91,3 +91,18 @@ def test_registry_rejects_unknown_and_accepts_new_solvers():
     assert stats.converged and torch.allclose(z, torch.full((1, 1), 2.0))
     with pytest.raises(ValueError, match="already registered"):
         register_solver("picard")(picard)
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_float32_solvers_reach_tolerances_near_rounding_level(solver):
+    # a strongly contracting map around a large iterate (||z|| ~ 1e3, as the NICE m-net on logit inputs): the
+    # tolerance is a relative 2e-8, below float32's eps. Picard lands on the float fixed point; an Anderson
+    # mixing written as a plain weighted sum of images stalls at ~eps ||z||.
+    torch.manual_seed(0)
+    w = torch.randn(256, 256) / 256
+    u = torch.randn(128, 256) * 4
+    f = lambda z: 1e-3 * torch.nn.functional.softplus(z @ w) + u  # noqa: E731
+    tol = 2e-8 * u.norm().item()
+    with torch.no_grad():
+        _, stats = get_solver(solver)(f, torch.zeros_like(u), tol=tol, max_iter=50)
+    assert stats.converged and stats.nstep <= 6, stats
