@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,27 +45,38 @@ def run(
     sections: Sequence[str] | None = None,
     repeats: int | None = None,
     threads: int | None = None,
+    command: str | None = None,
 ) -> dict:
     """Run the benchmark sections, write ``bench.md``/``bench.json`` to ``out_dir``, return the JSON document.
 
     ``threads`` sets torch's intra-op threads for the run (restored afterwards); default: leave them as they are.
+    ``command`` (the command line, when run from it) is written into the header.
     """
     previous = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _run(get_settings(quick, repeats), resolve_device(device), Path(out_dir), check_sections(sections))
+        settings, dev, names = get_settings(quick, repeats), resolve_device(device), check_sections(sections)
+        return _run(settings, dev, Path(out_dir), names, {"command": command} if command else {})
     finally:
         torch.set_num_threads(previous)
 
 
-def _run(settings: Settings, dev: torch.device, out_dir: Path, names: list[str]) -> dict:
+def _run(settings: Settings, dev: torch.device, out_dir: Path, names: list[str], extra: dict) -> dict:
+    flushing = settings.flush_denormal and torch.set_flush_denormal(True)
+    try:
+        return _run_sections(settings, dev, out_dir, names, {**extra, "flush denormals (CPU)": flushing})
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def _run_sections(settings: Settings, dev: torch.device, out_dir: Path, names: list[str], extra: dict) -> dict:
     start = time.perf_counter()
     tables: dict[str, Table] = {}
     for name in names:
         log(f"section {name} ({settings.mode})")
         tables[name] = SECTION_FUNCS[name](settings, dev)
-    header = {**environment(dev), "mode": settings.mode, "sections": ", ".join(names)}
+    header = {**extra, **environment(dev), "mode": settings.mode, "sections": ", ".join(names)}
     header["runtime"] = f"{time.perf_counter() - start:.0f} s"
     all_tables = [*tables.values(), targets(tables, settings)]
     doc = write_reports(out_dir, header, settings.as_dict(), all_tables)
@@ -89,5 +101,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()] if args.sections else None
+    argv = sys.argv[1:] if argv is None else list(argv)
     run(quick=args.quick, device=args.device, out_dir=args.out, sections=sections, repeats=args.repeats,
-        threads=args.threads)
+        threads=args.threads, command=" ".join(["python -m deqscore.bench", *argv]))

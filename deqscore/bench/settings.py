@@ -9,6 +9,11 @@ SOLVERS: tuple[str, ...] = ("picard", "anderson", "broyden")
 DEFAULT_OUT = "benchmarks/results"
 MNIST_DIM = 784  # data dimension for which real (logit-space MNIST) inputs are used
 FORCED_TOL = 1e-30  # a tolerance no solve meets: forces exactly max_iter iterations
+# Target (c) is judged on the block whose contraction reaches the bound a = 0.5 the normalisation allows: at
+# random init the block contracts by ~5e-4, Picard needs 3-4 evaluations and no solver can halve that (those
+# rows stay in the table for information).
+MAIN_SOLVER_BLOCK = "stress, float32"
+RANDOM_INIT_BLOCK = "random init, float32"
 
 
 @dataclass(frozen=True)
@@ -17,6 +22,7 @@ class Settings:
 
     mode: str = "full"
     seed: int = 0
+    flush_denormal: bool = True  # CPU: denormal floats (vanishing unrolled gradients) are ~100x slower
     repeats: int = 5  # timed steps after one warm-up; the median is reported
     row_budget_s: float = 40.0  # an expensive row times fewer steps so that it stays within about this
     inputs: str = "mnist"  # "mnist" (logit-space MNIST-test, dimension 784 only) or "gaussian"
@@ -40,6 +46,9 @@ class Settings:
     sol_batch: int = 128
     sol_max_iter: int = 128
     sol_tolerances: tuple[tuple[str, float], ...] = (("abs", 2e-5), ("rel", 1e-6))
+    sol_blocks: tuple[tuple[str, str], ...] = (
+        ("random init", "float32"), ("random init", "float64"), ("stress", "float32"),
+    )
     sol_stress_bias: float = 3.0  # biases of the stress block (Softplus' ~ sigmoid(3) = 0.95)
     # 4. nice: explicit vs DEQ NICE, one SSM step (float32)
     nice_dim: int = 784

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from .report import Column, Table
-from .settings import Settings
+from .settings import MAIN_SOLVER_BLOCK, Settings
 
 FLAT_TOLERANCE = 0.05  # (a) phantom memory spread over the iteration counts
 MEMORY_RATIO_MAX = 0.1  # (b) phantom / unroll activation memory at ITERATIONS_B
 ITERATIONS_B = 32
 FEVAL_RATIO_MAX = 0.5  # (c) Anderson / Picard function evaluations
-MAIN_BLOCK = "random init"
 
 
 def _row(target: str, measured: str, value: float | None, passed: bool | None) -> dict:
@@ -48,8 +47,8 @@ def target_ratio(tables: dict[str, Table]) -> dict:
 
 
 def target_fevals(tables: dict[str, Table], s: Settings) -> list[dict]:
-    """(c) at the reference tolerance on the random-init block (the target), plus the other tolerances and
-    the stress block for information."""
+    """(c) at the reference tolerance on :data:`MAIN_SOLVER_BLOCK` (the target), plus the other tolerances
+    and blocks for information."""
     if "solvers" not in tables:
         return [_not_run(f"(c) Anderson <= {FEVAL_RATIO_MAX:g} x Picard function evaluations", "solvers")]
     rows = tables["solvers"].rows
@@ -57,7 +56,7 @@ def target_fevals(tables: dict[str, Table], s: Settings) -> list[dict]:
     for block in dict.fromkeys(r["block"] for r in rows):
         for tol in dict.fromkeys(r["tolerance"] for r in rows):
             by = {r["solver"]: r for r in rows if r["block"] == block and r["tolerance"] == tol}
-            main = block == MAIN_BLOCK and tol == f"{s.sol_tolerances[0][0]} {s.sol_tolerances[0][1]:g}"
+            main = block == MAIN_SOLVER_BLOCK and tol == f"{s.sol_tolerances[0][0]} {s.sol_tolerances[0][1]:g}"
             label = "(c)" if main else "(c, extra)"
             name = f"{label} Anderson <= {FEVAL_RATIO_MAX:g} x Picard fevals, {block} block, tol {tol}"
             a, p = by["anderson"], by["picard"]
