@@ -36,6 +36,11 @@ class CheckpointFamilyError(ValueError):
     """A checkpoint of one model family was loaded into another."""
 
 
+def _inputs(batch: Any) -> torch.Tensor:
+    """The model input of a batch: ``x`` or the first element of ``(x, label, ...)``."""
+    return batch[0] if isinstance(batch, list | tuple) else batch
+
+
 def family_registry() -> dict[str, type[ScoreModule]]:
     """Model family name -> LightningModule class."""
     return dict(_FAMILIES)
@@ -84,7 +89,7 @@ class ScoreModule(pl.LightningModule):
 
     def model_step(self, batch: Any, stage: str, batch_idx: int = 0) -> torch.Tensor:
         """Loss (and, outside training, metrics) of one batch; logs under ``<stage>/``."""
-        x = batch[0] if isinstance(batch, list | tuple) else batch
+        x = _inputs(batch)
         with torch.enable_grad():  # score matching differentiates w.r.t. x, also in validation/test
             loss = self.compute_loss(x).mean()
             if not torch.isfinite(loss):
@@ -138,7 +143,7 @@ class ScoreModule(pl.LightningModule):
 
     def _log_run_facts(self, batch: Any) -> None:
         """Once per run: parameter count and activation memory of one training step (its loss graph)."""
-        x = batch[0] if isinstance(batch, list | tuple) else batch
+        x = _inputs(batch)
         # forked RNG: the measurement must not shift the random draws of the step itself
         with torch.random.fork_rng(), SavedTensorMeter(exclude=self.parameters()) as meter, torch.enable_grad():
             self.compute_loss(x).mean()
