@@ -71,7 +71,7 @@ def test_phantom_second_derivatives_converge_to_eq_9():
     for k_steps in (1, 2, 4, 8, 16):
         deq = DEQ(fmap, solver="anderson", tol=1e-13, max_iter=500, phantom_steps=k_steps)
         hess = torch.stack([
-            torch.autograd.functional.hessian(lambda v, k=k: deq(fmap.g(v[None]))[0, k], y) for k in range(N)
+            torch.autograd.functional.hessian(lambda v, k=k, deq=deq: deq(fmap.g(v[None]))[0, k], y) for k in range(N)
         ])
         errors.append(((hess - d2z).norm() / d2z.norm()).item())
     assert all(b < a for a, b in zip(errors, errors[1:], strict=False)), errors
