@@ -195,9 +195,25 @@ def test_training_improves_the_model_and_test_is_reproducible(tmp_path):
     sm = [v for _, v in series["val/exact_sm"]]
     assert ll[-1] > ll[0] and sm[-1] < sm[0], (ll, sm)  # SSM training lowers exact SM and raises likelihood
     assert (run / "samples.png").is_file() and (run / "curves.png").is_file()
+    # logged once per run: parameter count and the activation memory of one training step
+    assert [v for _, v in series["run/parameters"]] == [float(sum(p.numel() for p in cli.model.parameters()))]
+    (memory,) = [v for _, v in series["run/activation_memory_mb"]]
+    assert 0 < memory < 100
     ckpt = str(run / "checkpoints" / "last.ckpt")
     results = [main(["test", "--config", str(run / "config.yaml"), "--ckpt_path", ckpt]).trainer.callback_metrics
                for _ in range(2)]
     for key in ("test/log_likelihood", "test/bits_per_dim", "test/exact_sm", "test/loss"):
         assert torch.isfinite(results[0][key]) and results[0][key] == results[1][key], key
     assert cli.trainer.global_step == 4 * 3
+
+
+def test_nonconverging_deq_warns_and_logs(tmp_path):
+    from deqscore.deq import DEQConvergenceWarning
+
+    args = ["fit", *tiny_args(tmp_path), "--model.init_args.max_iter", "1", "--model.init_args.tol", "1e-12",
+            "--model.init_args.warm_start", "false", "--trainer.fast_dev_run", "1"]
+    with pytest.warns(DEQConvergenceWarning, match="did not converge in 1 iterations: abs residual"):
+        cli = main(args)
+    metrics = cli.trainer.callback_metrics
+    assert metrics["train/deq/converged"] == 0 and metrics["train/deq/nstep"] == 1
+    assert metrics["train/deq/abs_residual"] > 1e-12
