@@ -37,7 +37,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .solvers import SolverStats, get_solver, picard
+from .solvers import STOP_MODES, SolverStats, get_solver, picard
 
 BACKWARD_MODES = ("phantom", "unroll", "ift")
 
@@ -65,7 +65,8 @@ class DEQ(nn.Module):
         phantom_damping: lambda in (0, 1] of the phantom steps.
         injection_prestep: before the K steps, apply ``func`` once with only the injection ``u`` carrying
             gradient (the reference code's pattern; requires ``func(z, u) = h(z) + u``).
-        warm_start: start from the previous fixed point when the input shape and device repeat.
+        warm_start: start from the previous fixed point when the input shape and device repeat (never under
+            ``"unroll"``, whose derivative depends on the start).
         ift_max_iter, ift_tol: iteration cap and tolerance of the IFT backward's fixed-point solve.
         warn_on_nonconvergence: emit :class:`DEQConvergenceWarning` when ``max_iter`` is hit.
     """
@@ -91,7 +92,7 @@ class DEQ(nn.Module):
         get_solver(solver)  # fail early on unknown names
         if backward not in BACKWARD_MODES:
             raise ValueError(f"unknown DEQ backward {backward!r}; choose one of {BACKWARD_MODES}")
-        if backward == "phantom" and phantom_steps < 1:
+        if phantom_steps < 1:  # checked in every mode: deq_backward() may switch a layer to phantom later
             raise ValueError(
                 "phantom_steps must be >= 1: with 0 steps the output carries no gradient to u or the parameters"
             )
@@ -99,6 +100,10 @@ class DEQ(nn.Module):
             raise ValueError(f"phantom_damping must lie in (0, 1], got {phantom_damping}")
         if max_iter < 1:
             raise ValueError(f"max_iter must be >= 1, got {max_iter}")
+        if stop_mode not in STOP_MODES:
+            raise ValueError(f"stop_mode must be one of {STOP_MODES}, got {stop_mode!r}")
+        if tol <= 0 or ift_tol <= 0:
+            raise ValueError(f"tolerances must be positive, got tol={tol}, ift_tol={ift_tol}")
         self.func = func
         self.solver = solver
         self.max_iter = max_iter
@@ -127,7 +132,10 @@ class DEQ(nn.Module):
         if z0 is not None:
             return z0.detach()
         cache = self.z_cache
-        if self.warm_start and cache is not None and cache.shape == u.shape and cache.device == u.device:
+        # Under "unroll" the derivative is that of the recorded trajectory, which depends on its start: a warm
+        # start would cut it to a few steps (a few Neumann terms), so unrolls always start cold.
+        reusable = cache is not None and cache.shape == u.shape and cache.device == u.device
+        if self.warm_start and self.backward != "unroll" and reusable:
             return cache
         return torch.zeros_like(u)
 
@@ -203,10 +211,17 @@ class DEQ(nn.Module):
                 for _ in range(max_iter):
                     (jtg,) = torch.autograd.grad(fz, z_in, g, retain_graph=True)
                     g_new = jtg + grad
-                    done = (g_new - g).norm() <= tol * (g_new.norm() + 1e-30)
+                    change, size = torch.stack([(g_new - g).norm(), g_new.norm()]).tolist()
                     g = g_new
-                    if done:
+                    if change <= tol * (size + 1e-30):
                         break
+                else:
+                    warnings.warn(
+                        f"DEQ IFT backward did not converge in {max_iter} iterations: relative change "
+                        f"{change / (size + 1e-30):.3e} > ift_tol {tol:.1e}; the gradient is inexact",
+                        DEQConvergenceWarning,
+                        stacklevel=2,
+                    )
             finally:
                 inside[0] = False
             return g

@@ -50,10 +50,8 @@ class _SpectralScale(nn.Module):
     def __init__(self, weight: torch.Tensor, n_power_iterations: int, eps: float, conv: dict | None):
         super().__init__()
         self.n_power_iterations, self.eps, self.conv = n_power_iterations, eps, conv
-        if conv is None:
-            v = F.normalize(torch.randn(weight.shape[1], dtype=weight.dtype), dim=0)
-        else:
-            v = F.normalize(torch.randn(1, *conv["input_shape"], dtype=weight.dtype).flatten(), dim=0)
+        shape = (weight.shape[1],) if conv is None else (int(torch.tensor(conv["input_shape"]).prod()),)
+        v = F.normalize(torch.randn(shape, dtype=weight.dtype, device=weight.device), dim=0)
         self.register_buffer("v", v)
         self._power_iterate(weight.reshape(weight.shape[0], -1) if conv is None else weight, 15)
 
@@ -85,7 +83,10 @@ class _SpectralScale(nn.Module):
         w = weight.reshape(weight.shape[0], -1) if self.conv is None else weight
         if self.training:  # eval mode reuses the stored vector, so it computes a fixed function
             self._power_iterate(w, self.n_power_iterations)
-        sigma = torch.dot(F.normalize(self._op(w, self.v).detach(), dim=0, eps=self.eps), self._op(w, self.v))
+        # a copy: the buffer is updated in place at the next read of the weight (a DEQ reads it many times
+        # within one graph), which must not invalidate tensors saved for backward
+        v = self.v.clone()
+        sigma = torch.dot(F.normalize(self._op(w, v).detach(), dim=0, eps=self.eps), self._op(w, v))
         return weight / sigma.clamp_min(self.eps)
 
 

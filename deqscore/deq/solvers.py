@@ -19,6 +19,7 @@ New solvers are added with :func:`register_solver`:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -88,7 +89,7 @@ def get_solver(name: str) -> Solver:
 
 
 class _Monitor:
-    """Residual bookkeeping shared by all solvers (stopping rule, NaN check, best iterate)."""
+    """Residual bookkeeping shared by all solvers (stopping rule, NaN check, history)."""
 
     def __init__(self, name: str, tol: float, stop_mode: str, per_sample: bool):
         if stop_mode not in STOP_MODES:
@@ -103,20 +104,20 @@ class _Monitor:
     def update(self, z: Tensor, fz: Tensor) -> bool:
         """Record the residual of ``f(z) - z`` (both ``[B, d]``); return True when the tolerance is met."""
         self.nstep += 1
-        diff = (fz - z).detach()
-        if not torch.isfinite(fz).all():
+        diff, fz = (fz - z).detach(), fz.detach()
+        if self.per_sample:
+            abs_r = diff.norm(dim=1)
+            rel_r = abs_r / (fz.norm(dim=1) + 1e-12)
+            numbers = torch.stack([abs_r.max(), rel_r.max()])
+        else:
+            abs_t = diff.norm()
+            numbers = torch.stack([abs_t, abs_t / (fz.norm() + 1e-12)])
+        self.abs, self.rel = numbers.tolist()  # one device sync per iteration
+        if not math.isfinite(self.abs):  # a NaN/Inf anywhere in f(z) makes the norm non-finite
             raise NonFiniteIterateError(
                 f"DEQ solver {self.name!r}: non-finite values (NaN/Inf) in the iterate at iteration "
                 f"{self.nstep}; the fixed-point map diverged (check its contraction/normalisation)"
             )
-        if self.per_sample:
-            abs_r = diff.norm(dim=1)
-            rel_r = abs_r / (fz.detach().norm(dim=1) + 1e-12)
-            self.abs, self.rel = abs_r.max().item(), rel_r.max().item()
-        else:
-            abs_t = diff.norm()
-            self.abs = abs_t.item()
-            self.rel = self.abs / (fz.detach().norm().item() + 1e-12)
         crit = self.abs if self.stop_mode == "abs" else self.rel
         self.history.append(crit)
         return crit < self.tol
@@ -179,12 +180,12 @@ def anderson(
     F = x.new_zeros(bsz, m, d)  # their images
     X[:, 0], F[:, 0] = x, fl(x)
     converged = mon.update(X[:, 0], F[:, 0])
-    best = F[:, 0]
+    last = F[:, 0]
     if converged or max_iter <= 1:
-        return best.view(shape), mon.stats(converged)
+        return last.view(shape), mon.stats(converged)
     X[:, 1], F[:, 1] = F[:, 0], fl(F[:, 0])
     converged = mon.update(X[:, 1], F[:, 1])
-    best = F[:, 1]
+    last = F[:, 1]
     H = x.new_zeros(bsz, m + 1, m + 1)
     H[:, 0, 1:] = H[:, 1:, 0] = 1
     y = x.new_zeros(bsz, m + 1, 1)
@@ -201,18 +202,18 @@ def anderson(
         # sum(alpha) = 1, so sum_i alpha_i F_i = F_last + sum_i alpha_i (F_i - F_last): written as a correction
         # of the last image, the rounding error scales with the (vanishing) differences, not with ||F||; the
         # plain weighted sum stalls at ~eps * ||F|| in float32.
-        last = (k - 1) % m
-        mix_f = F[:, last] + (alpha[:, None] @ (F[:, :n] - F[:, last : last + 1]))[:, 0]
+        j = (k - 1) % m  # slot of the latest iterate
+        mix_f = F[:, j] + (alpha[:, None] @ (F[:, :n] - F[:, j : j + 1]))[:, 0]
         xk = mix_f
         if beta != 1.0:
-            mix_x = X[:, last] + (alpha[:, None] @ (X[:, :n] - X[:, last : last + 1]))[:, 0]
+            mix_x = X[:, j] + (alpha[:, None] @ (X[:, :n] - X[:, j : j + 1]))[:, 0]
             xk = beta * mix_f + (1 - beta) * mix_x
         X[:, k % m] = xk
         F[:, k % m] = fl(xk)
         converged = mon.update(X[:, k % m], F[:, k % m])
-        best = F[:, k % m]
+        last = F[:, k % m]
         k += 1
-    return best.reshape(shape), mon.stats(converged)
+    return last.reshape(shape), mon.stats(converged)
 
 
 @register_solver("broyden")
@@ -240,7 +241,7 @@ def broyden(
     fx = fl(x)
     gx = fx - x
     converged = mon.update(x, fx)
-    best = fx
+    last = fx
     U: list[Tensor] = []  # each [B, d]
     V: list[Tensor] = []
 
@@ -262,7 +263,7 @@ def broyden(
         fx_new = fl(x_new)
         g_new = fx_new - x_new
         converged = mon.update(x_new, fx_new)
-        best = fx_new
+        last = fx_new
         dg = g_new - gx
         vt = inv_jac_t(dx)
         denom = (vt * dg).sum(1, keepdim=True)
@@ -275,4 +276,4 @@ def broyden(
         U.append(u)
         V.append(vt)
         x, gx = x_new, g_new
-    return best.reshape(shape), mon.stats(converged)
+    return last.reshape(shape), mon.stats(converged)

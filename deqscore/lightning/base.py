@@ -113,7 +113,9 @@ class ScoreModule(pl.LightningModule):
         torch.manual_seed((base * 1_000_003 + offset * 7919 + self.global_rank) % 2**63)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._reseed(self.global_step)
+        # with gradient accumulation several batches share a global step; each gets its own draws
+        accumulate = self.trainer.accumulate_grad_batches
+        self._reseed(self.global_step * accumulate + batch_idx % accumulate)
 
     def on_validation_epoch_start(self) -> None:
         self._reseed(-1)  # the same draws at every validation, so epochs are comparable
@@ -132,7 +134,8 @@ class ScoreModule(pl.LightningModule):
             self._log_run_facts(batch)
         loss = self.model_step(batch, "train", batch_idx)
         # Parameters that do not affect the score (an energy's output bias, say) get no gradient from a
-        # score-matching loss; DDP would wait for them forever. A zero-weighted touch gives them an exact 0.
+        # score-matching loss, and DDP's reducer fails on parameters outside the graph. A zero-weighted touch
+        # puts them in the graph with an exact zero gradient.
         return loss + 0.0 * sum(p.reshape(-1)[0] for p in self.parameters() if p.requires_grad)
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -145,6 +148,8 @@ class ScoreModule(pl.LightningModule):
         """Once per run: parameter count and activation memory of one training step (its loss graph)."""
         x = _inputs(batch)
         # forked RNG: the measurement must not shift the random draws of the step itself
+        if x.is_cuda:
+            torch.cuda.reset_peak_memory_stats(x.device)
         with torch.random.fork_rng(), SavedTensorMeter(exclude=self.parameters()) as meter, torch.enable_grad():
             self.compute_loss(x).mean()
         facts = {"run/parameters": float(parameter_count(self)), "run/activation_memory_mb": meter.bytes / 2**20}
@@ -156,12 +161,14 @@ class ScoreModule(pl.LightningModule):
         self._activation_memory_logged = True
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        for name, p in self.named_parameters():
-            if p.grad is not None and not torch.isfinite(p.grad).all():
-                raise NonFiniteLossError(
-                    f"non-finite gradient of {name!r} at global step {self.global_step}: training stopped "
-                    "before the update, last good checkpoint kept"
-                )
+        named = [(name, p.grad) for name, p in self.named_parameters() if p.grad is not None]
+        finite = torch.stack([torch.isfinite(g).all() for _, g in named]) if named else torch.ones(0, dtype=bool)
+        if not bool(finite.all()):  # one device sync per step
+            bad = [name for (name, _), ok in zip(named, finite.tolist(), strict=True) if not ok]
+            raise NonFiniteLossError(
+                f"non-finite gradient of {bad} at global step {self.global_step}: training stopped before the "
+                "update, last good checkpoint kept"
+            )
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return OPTIMIZERS[self.optimizer_name](self.parameters(), lr=self.lr, weight_decay=self.weight_decay)

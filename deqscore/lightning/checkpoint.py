@@ -1,6 +1,6 @@
 """Load any deqscore checkpoint: the model family is read from the checkpoint itself.
 
->>> # module = load_module("checkpoints/demo/checkpoints/last.ckpt")   # a NICEModule, DKEF module, ...
+>>> # module = load_module("checkpoints/demo/checkpoints/last.ckpt")   # the NICEModule (or other family)
 """
 
 from __future__ import annotations

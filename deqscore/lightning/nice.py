@@ -65,6 +65,8 @@ class NICEModule(ScoreModule):
             raise ValueError(f"unknown NICE loss {loss!r}; choose one of {NICE_LOSSES}")
         if loss in ("kingma", "cp") and m_net != "explicit":
             raise ValueError(f"loss {loss!r} (approximate backprop) works only with m_net='explicit'")
+        if exact_sm_samples is not None and exact_sm_samples < 1:
+            raise ValueError(f"exact_sm_samples must be >= 1 or None, got {exact_sm_samples}")
         if backward == "ift" and m_net == "deq" and loss != "mle":
             raise ValueError(
                 f"backward='ift' gives wrong parameter gradients for the second-order loss {loss!r} (its input "
@@ -78,11 +80,11 @@ class NICEModule(ScoreModule):
         )
         self.loss_name = loss
         self.exact_sm_batches, self.exact_sm_samples = exact_sm_batches, exact_sm_samples
-        if loss in SCORE_LOSSES:
-            self._score_loss = make_score_loss(
-                loss, n_projections=n_projections, projection=projection, dsm_sigma=dsm_sigma,
-                dsm_scaling=dsm_scaling,
-            )
+        # built (and its options checked) whatever the loss, so a typo in an unused option still fails early
+        self._score_loss = make_score_loss(
+            loss if loss in SCORE_LOSSES else "exact", n_projections=n_projections, projection=projection,
+            dsm_sigma=dsm_sigma, dsm_scaling=dsm_scaling,
+        )
 
     def score(self, x: torch.Tensor) -> torch.Tensor:
         """Model score ``grad_x log p(x)`` (x must require grad)."""
@@ -102,9 +104,10 @@ class NICEModule(ScoreModule):
         metrics = {"log_likelihood": logp.mean(), "bits_per_dim": self._bits_per_dim(logp, x).mean()}
         if self.exact_sm_batches < 0 or batch_idx < self.exact_sm_batches:
             subset = x[: self.exact_sm_samples]
-            # an IFT layer cannot be differentiated twice; unrolling gives the converged layer's exact derivatives
-            mode = "unroll" if self.hparams.backward == "ift" else self.hparams.backward
-            with deq_backward(self.net, mode):
+            # The metric is the exact SM loss of the model as solved to tolerance: derivatives through a cold
+            # unroll of the solver, not the phantom surrogate used in training (nor IFT, which cannot be
+            # differentiated twice), so DEQ and explicit rows are comparable.
+            with deq_backward(self.net, "unroll"):
                 metrics["exact_sm"] = exact_score_matching(self.score, subset, create_graph=False).mean()
         return metrics
 

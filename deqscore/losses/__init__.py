@@ -37,7 +37,7 @@ def make_score_loss(
     dsm_sigma: float = 0.16,
     dsm_scaling: str = "sigma2",
 ) -> ScoreLoss:
-    """Return ``loss(score_fn, x) -> [B]`` for ``name`` in :data:`SCORE_LOSSES`.
+    """Return ``loss(score_fn, x) -> [B]`` for ``name`` in :data:`SCORE_LOSSES` (all options are checked).
 
     Args:
         n_projections: projections per sample (ssm, ssm_vr).
@@ -45,6 +45,14 @@ def make_score_loss(
         dsm_sigma: DSM noise level.
         dsm_scaling: ``sigma2`` (standard sigma^2 weighting) or ``sigma4`` (the reference code's).
     """
+    if n_projections < 1:
+        raise ValueError(f"n_projections must be >= 1, got {n_projections}")
+    if projection not in PROJECTIONS:
+        raise ValueError(f"unknown projection {projection!r}; choose one of {PROJECTIONS}")
+    if dsm_sigma <= 0:
+        raise ValueError(f"dsm_sigma must be positive, got {dsm_sigma}")
+    if dsm_scaling not in DSM_SCALINGS:
+        raise ValueError(f"unknown DSM scaling {dsm_scaling!r}; choose one of {DSM_SCALINGS}")
     if name == "exact":
         return exact_score_matching
     if name in ("ssm", "ssm_vr"):

@@ -215,8 +215,9 @@ def kingma_score_matching(flow: NICE, x: Tensor) -> Tensor:
 
 
 def _rademacher(like: Tensor, generator: torch.Generator | None) -> Tensor:
-    v = torch.randint(0, 2, like.shape, generator=generator, device=like.device)
-    return v.to(like.dtype) * 2 - 1
+    device = like.device if generator is None else generator.device  # a generator draws on its own device
+    v = torch.randint(0, 2, like.shape, generator=generator, device=device)
+    return v.to(like.device, like.dtype) * 2 - 1
 
 
 def _sqrt_abs(c: Tensor) -> Tensor:

@@ -103,6 +103,8 @@ class NICE(nn.Module):
             raise ValueError(f"unknown m_net {m_net!r}; choose one of {M_NETS}")
         if dim % 2:
             raise ValueError(f"NICE needs an even dimension, got {dim}")
+        if not 0.0 < deq_scale < 1.0:
+            raise ValueError(f"deq_scale must lie in (0, 1) for the DEQ map to contract, got {deq_scale}")
         self.dim, self.m_net_kind = dim, m_net
         half = dim // 2
         nets = []
@@ -117,6 +119,8 @@ class NICE(nn.Module):
     def _couple(self, x: torch.Tensor, reverse: bool) -> torch.Tensor:
         """Apply the couplings (or undo them, in reverse order): coupling i updates the odd coordinates from
         the even ones when i is even, and the even from the odd when i is odd."""
+        if x.dim() != 2 or x.shape[1] != self.dim:
+            raise ValueError(f"NICE expects inputs of shape [B, {self.dim}], got {tuple(x.shape)}")
         pairs = x.reshape(x.shape[0], -1, 2)
         even, odd = pairs[..., 0], pairs[..., 1]
         order = reversed(range(len(self.m_nets))) if reverse else range(len(self.m_nets))

@@ -195,3 +195,20 @@ def test_deq_backward_switches_modes_temporarily():
     assert net.deq.backward == "ift"
     with pytest.raises(ValueError, match="unknown DEQ backward"), deq_backward(net, "adjoint"):
         pass
+
+
+def test_unroll_ignores_warm_start_so_its_derivative_stays_exact():
+    net = _make("unroll", rho=0.8, max_iter=400, tol=1e-12, warm_start=True)
+    x = torch.randn(4, DIM, dtype=torch.float64)
+    first = _ssm_param_grads(net, x)
+    cold_steps = net.deq.stats.nstep
+    second = _ssm_param_grads(net, x)  # same shape: a warm start would stop after one recorded step
+    assert net.deq.stats.nstep == cold_steps
+    assert torch.allclose(first, second, rtol=1e-12)
+
+
+def test_ift_backward_warns_when_its_solve_does_not_converge():
+    net = _make("ift", rho=0.9, ift_max_iter=2)
+    x = torch.randn(4, DIM, dtype=torch.float64)
+    with pytest.warns(DEQConvergenceWarning, match="IFT backward did not converge in 2 iterations"):
+        net(x).pow(2).mean().backward()

@@ -49,3 +49,25 @@ def test_spectral_normalize_conv_uses_operator_norm():
 def test_spectral_normalize_rejects_other_modules():
     with pytest.raises(TypeError, match="Linear and nn.Conv2d"):
         spectral_normalize(nn.LayerNorm(3))
+
+
+def test_spectral_normalised_layer_trains_inside_a_deq():
+    from deqscore.deq import DEQ
+    from deqscore.losses import score_from_log_prob, sliced_score_matching
+
+    class Map(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = spectral_normalize(nn.Linear(6, 6, dtype=torch.float64))
+
+        def forward(self, z, u):
+            return 0.5 * torch.tanh(self.lin(z)) + u
+
+    fmap = Map()
+    deq = DEQ(fmap, tol=1e-10, max_iter=100, phantom_steps=3)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    # the weight is read by every solver iteration and every phantom step of one graph
+    loss = sliced_score_matching(score_from_log_prob(lambda x: -0.5 * deq(x).pow(2).sum(1)), x).mean()
+    loss.backward()
+    assert torch.isfinite(fmap.lin.parametrizations.weight.original.grad).all()
+    assert fmap.lin.parametrizations.weight[0].v.device == fmap.lin.parametrizations.weight.original.device

@@ -217,3 +217,24 @@ def test_nonconverging_deq_warns_and_logs(tmp_path):
     metrics = cli.trainer.callback_metrics
     assert metrics["train/deq/converged"] == 0 and metrics["train/deq/nstep"] == 1
     assert metrics["train/deq/abs_residual"] > 1e-12
+
+
+def test_exact_sm_metric_is_the_converged_models_exact_sm():
+    import copy
+
+    torch.manual_seed(0)
+    module = NICEModule(dim=8, n_couplings=2, hidden=6, tol=1e-12, max_iter=200, warm_start=True,
+                        phantom_steps=1, deq_scale=0.9).double()
+    x = torch.randn(5, 8, dtype=torch.float64)
+    module.net.log_prob(x)  # fills the warm-start cache with this very shape
+    got = module.eval_metrics(x, "val", 0)["exact_sm"]
+    # reference: dense per-sample Hessians of a copy re-attached by many phantom steps (an independent path)
+    ref_net = copy.deepcopy(module.net)
+    for deq in (m for m in ref_net.modules() if isinstance(m, DEQ)):
+        deq.phantom_steps, deq.warm_start = 60, False
+    values = []
+    for b in range(5):
+        f = lambda v: ref_net.log_prob(v[None])[0]  # noqa: E731
+        g = torch.autograd.functional.jacobian(f, x[b])
+        values.append(0.5 * g.pow(2).sum() + torch.autograd.functional.hessian(f, x[b]).trace())
+    assert got.item() == pytest.approx(torch.stack(values).mean().item(), rel=1e-8)
