@@ -242,3 +242,24 @@ def test_lightning_trainer_runs_and_validation_is_reproducible(tmp_path):
     second = trainer.validate(model, datamodule=dm, verbose=False)[0]["val_bpd"]
     assert first == second  # fixed evaluation noise
     assert 0 < first < 64  # a poor but finite model of 8-bit data
+
+
+def test_persistent_workers_follow_the_epoch(tmp_path):
+    """Train noise and order are functions of the epoch, also inside persistent DataLoader workers (the epoch
+    lives in shared memory) and identical to what a single process computes."""
+    single = _module(tmp_path, batch_size=32, train_subset=64)
+    workers = _module(tmp_path, batch_size=32, train_subset=64, num_workers=2)
+    for dm in (single, workers):
+        dm.setup("fit")
+    loader = workers.train_dataloader()
+    seen = {}
+    for epoch in (0, 1, 0):
+        workers.set_epoch(epoch)
+        loader.sampler.set_epoch(epoch)
+        seen.setdefault(epoch, []).append(torch.cat([x for x, _ in loader]))
+    assert torch.equal(seen[0][0], seen[0][1])  # same epoch, same batches (workers were not restarted)
+    assert not torch.equal(seen[0][0], seen[1][0])
+    ref = single.train_dataloader()
+    single.set_epoch(1)
+    ref.sampler.set_epoch(1)
+    assert torch.equal(torch.cat([x for x, _ in ref]), seen[1][0])
