@@ -123,16 +123,6 @@ def _mlp_backward(
     return g1, extras
 
 
-def _split(t: Tensor) -> tuple[Tensor, Tensor]:
-    """(even, odd) coordinates of ``[B, D]``, the layout of ``NICE._couple``."""
-    pairs = t.reshape(t.shape[0], -1, 2)
-    return pairs[..., 0], pairs[..., 1]
-
-
-def _merge(even: Tensor, odd: Tensor) -> Tensor:
-    return torch.stack([even, odd], -1).reshape(even.shape[0], -1)
-
-
 def _flow_backward(
     flow: NICE, x: Tensor, output_extras: Callable[[Tensor], Extras], linear_rule: LinearRule, act_rule: ActRule,
 ) -> tuple[Tensor, Extras]:
@@ -143,7 +133,8 @@ def _flow_backward(
     Both losses' extras are additive over the two branches of a coupling, so the coupling rule is shared: for
     ``odd' = odd + m(even)``, ``g1_even = g1_even' + J_m^T g1_odd'`` (likewise the extras), ``g1_odd = g1_odd'``.
     """
-    even, odd = _split(x)
+    split, merge = flow.split_halves, flow.merge_halves  # the flow's own layout
+    even, odd = split(x)
     records = []
     for i, net in enumerate(flow.m_nets):  # same order as NICE._couple
         if i % 2 == 0:
@@ -153,13 +144,13 @@ def _flow_backward(
             out, pre = _mlp_forward(net, odd)
             even = even + out
         records.append(pre)
-    h = _merge(even, odd)
+    h = merge(even, odd)
     s = flow.log_scale
     g1 = -torch.exp(2 * s) * h
     extras = output_extras(s.expand_as(h))
 
-    g1_e, g1_o = _split(g1)
-    halves = [_split(t) for t in extras]
+    g1_e, g1_o = split(g1)
+    halves = [split(t) for t in extras]
     ext_e, ext_o = [e for e, _ in halves], [o for _, o in halves]
     for i in reversed(range(len(flow.m_nets))):
         net, pre = flow.m_nets[i], records[i]
@@ -171,7 +162,7 @@ def _flow_backward(
             dg, dext = _mlp_backward(net, pre, g1_e, ext_e, linear_rule, act_rule)
             g1_o = g1_o + dg
             ext_o = [a + b for a, b in zip(ext_o, dext, strict=True)]
-    return _merge(g1_e, g1_o), [_merge(a, b) for a, b in zip(ext_e, ext_o, strict=True)]
+    return merge(g1_e, g1_o), [merge(a, b) for a, b in zip(ext_e, ext_o, strict=True)]
 
 
 # ---------------------------------------------------------------------------------------------------------------

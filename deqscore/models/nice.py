@@ -116,13 +116,23 @@ class NICE(nn.Module):
         self.m_nets = nn.ModuleList(nets)
         self.log_scale = nn.Parameter(torch.zeros(dim))
 
+    @staticmethod
+    def split_halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(even, odd) coordinates of ``[B, D]``: the two halves the couplings update in turn."""
+        pairs = x.reshape(x.shape[0], -1, 2)
+        return pairs[..., 0], pairs[..., 1]
+
+    @staticmethod
+    def merge_halves(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`split_halves`."""
+        return torch.stack([even, odd], -1).reshape(even.shape[0], -1)
+
     def _couple(self, x: torch.Tensor, reverse: bool) -> torch.Tensor:
         """Apply the couplings (or undo them, in reverse order): coupling i updates the odd coordinates from
         the even ones when i is even, and the even from the odd when i is odd."""
         if x.dim() != 2 or x.shape[1] != self.dim:
             raise ValueError(f"NICE expects inputs of shape [B, {self.dim}], got {tuple(x.shape)}")
-        pairs = x.reshape(x.shape[0], -1, 2)
-        even, odd = pairs[..., 0], pairs[..., 1]
+        even, odd = self.split_halves(x)
         order = reversed(range(len(self.m_nets))) if reverse else range(len(self.m_nets))
         sign = -1.0 if reverse else 1.0
         for i in order:
@@ -130,7 +140,7 @@ class NICE(nn.Module):
                 odd = odd + sign * self.m_nets[i](even)
             else:
                 even = even + sign * self.m_nets[i](odd)
-        return torch.stack([even, odd], -1).reshape(x.shape)
+        return self.merge_halves(even, odd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Map data ``x`` to the latent ``y`` (standard normal under the model)."""
