@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,8 @@ def run_variant(name: str, epochs: int, runs_root: Path, extra: list[str]) -> di
     """Fit then test one variant; return its row."""
     from ..lightning.cli import main
 
+    # the runs are CLI calls made from Python while this script has its own argv
+    warnings.filterwarnings("ignore", "LightningCLI's args parameter is intended")
     variant = VARIANTS[name]
     common = [f"--run_name={name}", f"--runs_root={runs_root}", *COMMON, *variant.overrides, *extra]
     start = time.perf_counter()
@@ -105,10 +108,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     unknown = sorted(set(names) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")
+    env = environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))  # before the load we add
     rows = [run_variant(name, args.epochs, Path(args.runs_root), args.extra) for name in names]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     (out / "nice_study.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
     (out / "nice_study.md").write_text(to_markdown(rows, env))
     print(to_markdown(rows, env))
