@@ -8,9 +8,15 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from deqscore.bench import main, run
+from deqscore.bench.measure import make_inputs
 from deqscore.bench.settings import QUICK, SECTIONS
+from deqscore.deq import get_solver
+from deqscore.lightning import load_module
+from deqscore.lightning.cli import main as train
+from tests.lightning.conftest import tiny_args
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +113,26 @@ def test_cli_runs_a_subset(tmp_path):
 def test_unknown_section_is_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown sections"):
         run(quick=True, device="cpu", out_dir=tmp_path, sections=["nope"])
+
+
+def test_solvers_on_a_trained_checkpoint(tmp_path):
+    for config, name in (("configs/nice/deq.yaml", "deq"), ("configs/nice/explicit.yaml", "explicit")):
+        train(["fit", *tiny_args(tmp_path, config, name), "--trainer.max_epochs", "1"])
+    ckpt = tmp_path / "deq" / "checkpoints" / "last.ckpt"
+    doc = run(quick=True, device="cpu", out_dir=tmp_path / "out", sections=["solvers"], trained_checkpoint=ckpt)
+    rows = [r for r in _rows(doc, "solvers") if r["block"].startswith("trained")]
+    assert {r["block"] for r in rows} == {"trained, coupling 0, float32", "trained, coupling 1, float32"}
+    # the first coupling sees the raw batch: its Picard count is that of a direct solve
+    flow = load_module(ckpt).net
+    x, _ = make_inputs(QUICK.sol_batch, flow.dim, QUICK, torch.device("cpu"), torch.float32)
+    m_net = flow.m_nets[0]
+    with torch.no_grad():
+        u = torch.nn.functional.softplus(m_net.inject(flow.split_halves(x)[0]))
+        stop, tol = QUICK.sol_tolerances[0]
+        _, stats = get_solver("picard")(lambda z: m_net.deq.func(z, u), torch.zeros_like(u), tol=tol,
+                                        max_iter=QUICK.sol_max_iter, stop_mode=stop)
+    picard = [r for r in rows if r["block"].endswith("0, float32") and r["solver"] == "picard"]
+    assert picard[0]["fevals"] == stats.nstep
+    with pytest.raises(ValueError, match="not a DEQ-NICE checkpoint"):
+        run(quick=True, device="cpu", out_dir=tmp_path / "out2", sections=["solvers"],
+            trained_checkpoint=tmp_path / "explicit" / "checkpoints" / "last.ckpt")

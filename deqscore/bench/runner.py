@@ -46,17 +46,20 @@ def run(
     repeats: int | None = None,
     threads: int | None = None,
     command: str | None = None,
+    trained_checkpoint: str | Path | None = None,
 ) -> dict:
     """Run the benchmark sections, write ``bench.md``/``bench.json`` to ``out_dir``, return the JSON document.
 
     ``threads`` sets torch's intra-op threads for the run (restored afterwards); default: leave them as they are.
-    ``command`` (the command line, when run from it) is written into the header.
+    ``command`` (the command line, when run from it) is written into the header. ``trained_checkpoint``: a
+    DEQ-NICE checkpoint whose trained coupling blocks are added to the solver comparison.
     """
     previous = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        settings, dev, names = get_settings(quick, repeats), resolve_device(device), check_sections(sections)
+        settings = get_settings(quick, repeats, trained_checkpoint)
+        dev, names = resolve_device(device), check_sections(sections)
         return _run(settings, dev, Path(out_dir), names, {"command": command} if command else {})
     finally:
         torch.set_num_threads(previous)
@@ -95,6 +98,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sections", default=None, help=f"comma-separated subset of: {','.join(SECTIONS)}")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per row (default: 5 full, 2 quick)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--trained-checkpoint", default=None,
+                        help="DEQ-NICE checkpoint: also compare the solvers on its trained coupling blocks")
     return parser.parse_args(argv)
 
 
@@ -103,4 +108,5 @@ def main(argv: Sequence[str] | None = None) -> None:
     sections = [s.strip() for s in args.sections.split(",") if s.strip()] if args.sections else None
     argv = sys.argv[1:] if argv is None else list(argv)
     run(quick=args.quick, device=args.device, out_dir=args.out, sections=sections, repeats=args.repeats,
-        threads=args.threads, command=" ".join(["python -m deqscore.bench", *argv]))
+        threads=args.threads, command=" ".join(["python -m deqscore.bench", *argv]),
+        trained_checkpoint=args.trained_checkpoint)

@@ -198,6 +198,27 @@ def _solver_block(kind: str, dtype: torch.dtype, s: Settings, device: torch.devi
         return m_net, F.softplus(m_net.inject(x[:, 0::2]))
 
 
+def _trained_blocks(s: Settings, device: torch.device) -> list[tuple[DEQMNet, torch.Tensor]]:
+    """The DEQ m-nets of a trained NICE checkpoint with their injections for the benchmark batch."""
+    from ..lightning import load_module
+
+    flow = load_module(s.trained_checkpoint).net.to(device)
+    if not all(isinstance(m, DEQMNet) for m in flow.m_nets):
+        raise ValueError(f"{s.trained_checkpoint} is not a DEQ-NICE checkpoint (its m-nets are not DEQs)")
+    x, _ = make_inputs(s.sol_batch, flow.dim, s, device, torch.float32)
+    even, odd = flow.split_halves(x)
+    blocks = []
+    with torch.no_grad():
+        for i, m_net in enumerate(flow.m_nets):  # the coupling order of NICE
+            cond = even if i % 2 == 0 else odd
+            blocks.append((m_net, F.softplus(m_net.inject(cond))))
+            if i % 2 == 0:
+                odd = odd + m_net(cond)
+            else:
+                even = even + m_net(cond)
+    return blocks
+
+
 def _solver_notes(s: Settings, rows: list[dict], source: str) -> list[str]:
     main = [r for r in rows if r["block"] == RANDOM_INIT_BLOCK and r["solver"] == "picard"]
     norm_f = main[0]["abs_residual"] / main[0]["rel_residual"]
@@ -235,6 +256,12 @@ def solvers(s: Settings, device: torch.device) -> Table:
         m_net, u = _solver_block(kind, getattr(torch, dtype_name), s, device)
         with torch.no_grad():
             table.rows += _solver_rows(f"{kind}, {dtype_name}", m_net, u, s, device)
+    if s.trained_checkpoint:
+        for i, (m_net, u) in enumerate(_trained_blocks(s, device)):
+            with torch.no_grad():
+                table.rows += _solver_rows(f"trained, coupling {i}, float32", m_net, u, s, device)
+        table.notes.append(f"Trained blocks: the DEQ m-nets of `{s.trained_checkpoint}`, each fed the MNIST-test "
+                           "batch as it arrives at that coupling.")
     _, source = make_inputs(1, 2 * s.sol_d_in, s, device, torch.float32)
     table.notes += _solver_notes(s, table.rows, source)
     return table

@@ -22,6 +22,7 @@ class Settings:
 
     mode: str = "full"
     seed: int = 0
+    trained_checkpoint: str | None = None  # a DEQ-NICE checkpoint: also time the solvers on its trained blocks
     flush_denormal: bool = True  # CPU: denormal floats (vanishing unrolled gradients) are ~100x slower
     repeats: int = 5  # timed steps after one warm-up; the median is reported
     row_budget_s: float = 40.0  # an expensive row times fewer steps so that it stays within about this
@@ -88,9 +89,11 @@ QUICK = replace(
 )
 
 
-def get_settings(quick: bool, repeats: int | None = None) -> Settings:
-    """The settings of a mode, with ``repeats`` overridden when given."""
+def get_settings(quick: bool, repeats: int | None = None, trained_checkpoint: str | None = None) -> Settings:
+    """The settings of a mode, with ``repeats`` and ``trained_checkpoint`` overridden when given."""
     settings = QUICK if quick else FULL
+    if trained_checkpoint is not None:
+        settings = replace(settings, trained_checkpoint=str(trained_checkpoint))
     if repeats is not None:
         if repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {repeats}")

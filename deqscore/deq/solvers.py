@@ -195,14 +195,15 @@ def anderson(
         n = min(k, m)
         G = F[:, :n] - X[:, :n]
         GG = torch.bmm(G, G.transpose(1, 2))
-        # ridge relative to the residual scale, so the regulariser does not stall the solve near tol
-        ridge = lam * GG.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-30)
+        j = (k - 1) % m  # slot of the latest iterate
+        # Ridge relative to the latest squared residual: an absolute ridge (or one scaled by the oldest, largest
+        # residuals) swamps the small recent residuals and stalls a fast-converging solve.
+        ridge = lam * GG[:, j, j].clamp_min(1e-30)
         H[:, 1 : n + 1, 1 : n + 1] = GG + ridge[:, None, None] * torch.eye(n, dtype=x.dtype, device=x.device)
         alpha = torch.linalg.solve(H[:, : n + 1, : n + 1], y[:, : n + 1])[:, 1 : n + 1, 0]
         # sum(alpha) = 1, so sum_i alpha_i F_i = F_last + sum_i alpha_i (F_i - F_last): written as a correction
         # of the last image, the rounding error scales with the (vanishing) differences, not with ||F||; the
         # plain weighted sum stalls at ~eps * ||F|| in float32.
-        j = (k - 1) % m  # slot of the latest iterate
         mix_f = F[:, j] + (alpha[:, None] @ (F[:, :n] - F[:, j : j + 1]))[:, 0]
         xk = mix_f
         if beta != 1.0:

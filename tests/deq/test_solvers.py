@@ -106,3 +106,18 @@ def test_float32_solvers_reach_tolerances_near_rounding_level(solver):
     with torch.no_grad():
         _, stats = get_solver(solver)(f, torch.zeros_like(u), tol=tol, max_iter=50)
     assert stats.converged and stats.nstep <= 6, stats
+
+
+def test_anderson_keeps_pace_with_picard_on_strongly_contracting_maps():
+    # first residual ~1e3, contraction ~1e-2: a ridge scaled by the old, large residuals would swamp the recent
+    # ones and stall the mixing for several iterations
+    torch.manual_seed(0)
+    w = torch.randn(200, 200, dtype=torch.float64)
+    w = w / torch.linalg.matrix_norm(w, ord=2) * 0.02
+    u = torch.randn(64, 200, dtype=torch.float64) * 10
+    f = lambda z: torch.tanh(z @ w) + u  # noqa: E731
+    with torch.no_grad():
+        picard_stats = get_solver("picard")(f, torch.zeros_like(u), tol=1e-12, max_iter=100)[1]
+        anderson_stats = get_solver("anderson")(f, torch.zeros_like(u), tol=1e-12, max_iter=100)[1]
+    assert picard_stats.converged and anderson_stats.converged
+    assert anderson_stats.nstep <= picard_stats.nstep, (anderson_stats.history, picard_stats.history)
