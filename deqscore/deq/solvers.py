@@ -200,7 +200,13 @@ def anderson(
         # residuals) swamps the small recent residuals and stalls a fast-converging solve.
         ridge = lam * GG[:, j, j].clamp_min(1e-30)
         H[:, 1 : n + 1, 1 : n + 1] = GG + ridge[:, None, None] * torch.eye(n, dtype=x.dtype, device=x.device)
-        alpha = torch.linalg.solve(H[:, : n + 1, : n + 1], y[:, : n + 1])[:, 1 : n + 1, 0]
+        sol, info = torch.linalg.solve_ex(H[:, : n + 1, : n + 1], y[:, : n + 1])
+        alpha = sol[:, 1 : n + 1, 0]
+        # a sample whose residuals vanished (converged exactly) gives a singular system: plain Picard step
+        bad = (info != 0) | ~torch.isfinite(alpha).all(1)
+        plain = torch.zeros_like(alpha)
+        plain[:, j] = 1.0
+        alpha = torch.where(bad[:, None], plain, alpha)
         # sum(alpha) = 1, so sum_i alpha_i F_i = F_last + sum_i alpha_i (F_i - F_last): written as a correction
         # of the last image, the rounding error scales with the (vanishing) differences, not with ||F||; the
         # plain weighted sum stalls at ~eps * ||F|| in float32.

@@ -121,3 +121,14 @@ def test_anderson_keeps_pace_with_picard_on_strongly_contracting_maps():
         anderson_stats = get_solver("anderson")(f, torch.zeros_like(u), tol=1e-12, max_iter=100)[1]
     assert picard_stats.converged and anderson_stats.converged
     assert anderson_stats.nstep <= picard_stats.nstep, (anderson_stats.history, picard_stats.history)
+
+
+def test_anderson_survives_samples_that_converge_exactly():
+    # float32 with an unreachable tolerance: samples reach f(z) == z exactly and their mixing systems go singular
+    torch.manual_seed(0)
+    w = torch.randn(8, 8) * 0.1
+    u = torch.randn(64, 8)
+    f = lambda z: torch.tanh(z @ w) + u  # noqa: E731
+    with torch.no_grad():
+        z, stats = get_solver("anderson")(f, torch.zeros_like(u), tol=1e-12, max_iter=60)
+    assert torch.isfinite(z).all() and (f(z) - z).abs().max() < 1e-5
