@@ -206,17 +206,16 @@ def _trained_blocks(s: Settings, device: torch.device) -> list[tuple[DEQMNet, to
     if not all(isinstance(m, DEQMNet) for m in flow.m_nets):
         raise ValueError(f"{s.trained_checkpoint} is not a DEQ-NICE checkpoint (its m-nets are not DEQs)")
     x, _ = make_inputs(s.sol_batch, flow.dim, s, device, torch.float32)
-    even, odd = flow.split_halves(x)
-    blocks = []
+    inputs: list[torch.Tensor] = []  # each m-net's input, recorded during the flow's own forward pass
+    hooks = [m.register_forward_pre_hook(lambda _, args: inputs.append(args[0])) for m in flow.m_nets]
+    try:
+        with torch.no_grad():
+            flow(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
     with torch.no_grad():
-        for i, m_net in enumerate(flow.m_nets):  # the coupling order of NICE
-            cond = even if i % 2 == 0 else odd
-            blocks.append((m_net, F.softplus(m_net.inject(cond))))
-            if i % 2 == 0:
-                odd = odd + m_net(cond)
-            else:
-                even = even + m_net(cond)
-    return blocks
+        return [(m_net, F.softplus(m_net.inject(inp))) for m_net, inp in zip(flow.m_nets, inputs, strict=True)]
 
 
 def _solver_notes(s: Settings, rows: list[dict], source: str) -> list[str]:

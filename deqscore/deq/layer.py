@@ -37,9 +37,14 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .solvers import STOP_MODES, SolverStats, get_solver, picard
+from .solvers import Solver, SolverStats, check_stopping, get_solver, picard
 
 BACKWARD_MODES = ("phantom", "unroll", "ift")
+
+
+def _check_backward(backward: str) -> None:
+    if backward not in BACKWARD_MODES:
+        raise ValueError(f"unknown DEQ backward {backward!r}; choose one of {BACKWARD_MODES}")
 
 
 class DEQConvergenceWarning(RuntimeWarning):
@@ -90,8 +95,8 @@ class DEQ(nn.Module):
     ):
         super().__init__()
         get_solver(solver)  # fail early on unknown names
-        if backward not in BACKWARD_MODES:
-            raise ValueError(f"unknown DEQ backward {backward!r}; choose one of {BACKWARD_MODES}")
+        check_stopping(tol, stop_mode)
+        _check_backward(backward)
         if phantom_steps < 1:  # checked in every mode: deq_backward() may switch a layer to phantom later
             raise ValueError(
                 "phantom_steps must be >= 1: with 0 steps the output carries no gradient to u or the parameters"
@@ -100,10 +105,8 @@ class DEQ(nn.Module):
             raise ValueError(f"phantom_damping must lie in (0, 1], got {phantom_damping}")
         if max_iter < 1:
             raise ValueError(f"max_iter must be >= 1, got {max_iter}")
-        if stop_mode not in STOP_MODES:
-            raise ValueError(f"stop_mode must be one of {STOP_MODES}, got {stop_mode!r}")
-        if tol <= 0 or ift_tol <= 0:
-            raise ValueError(f"tolerances must be positive, got tol={tol}, ift_tol={ift_tol}")
+        if ift_tol <= 0:
+            raise ValueError(f"ift_tol must be positive, got {ift_tol}")
         self.func = func
         self.solver = solver
         self.max_iter = max_iter
@@ -132,20 +135,20 @@ class DEQ(nn.Module):
         if z0 is not None:
             return z0.detach()
         cache = self.z_cache
-        # Under "unroll" the derivative is that of the recorded trajectory, which depends on its start: a warm
-        # start would cut it to a few steps (a few Neumann terms), so unrolls always start cold.
         reusable = cache is not None and cache.shape == u.shape and cache.device == u.device
-        if self.warm_start and self.backward != "unroll" and reusable:
-            return cache
-        return torch.zeros_like(u)
+        return cache if self._warm and reusable else torch.zeros_like(u)
 
-    def _solve(self, u: torch.Tensor, z_init: torch.Tensor) -> torch.Tensor:
-        u_d = u.detach()
-        with torch.no_grad():
-            z, stats = get_solver(self.solver)(
-                lambda z: self.func(z, u_d), z_init, tol=self.tol, max_iter=self.max_iter,
-                stop_mode=self.stop_mode, per_sample=self.per_sample,
-            )
+    @property
+    def _warm(self) -> bool:
+        # Under "unroll" the derivative is that of the recorded trajectory, which depends on its start: a warm
+        # start would cut it to a few steps (a few Neumann terms), so unrolls start cold and keep no cache.
+        return self.warm_start and self.backward != "unroll"
+
+    def _run_solver(self, solver: Solver, u: torch.Tensor, z_init: torch.Tensor) -> torch.Tensor:
+        z, stats = solver(
+            lambda z: self.func(z, u), z_init, tol=self.tol, max_iter=self.max_iter, stop_mode=self.stop_mode,
+            per_sample=self.per_sample,
+        )
         self._record(stats)
         return z
 
@@ -162,16 +165,13 @@ class DEQ(nn.Module):
 
     def forward(self, u: torch.Tensor, z0: torch.Tensor | None = None) -> torch.Tensor:
         z_init = self._start(u, z0)
-        if self.backward == "unroll":
-            z, stats = picard(
-                lambda z: self.func(z, u), z_init, tol=self.tol, max_iter=self.max_iter,
-                stop_mode=self.stop_mode, per_sample=self.per_sample,
-            )
-            self._record(stats)
+        if self.backward == "unroll":  # every Picard iteration recorded by autograd
+            z = self._run_solver(picard, u, z_init)
         else:
-            z_star = self._solve(u, z_init)
+            with torch.no_grad():
+                z_star = self._run_solver(get_solver(self.solver), u.detach(), z_init)
             z = self._ift(z_star, u) if self.backward == "ift" else self._phantom(z_star, u)
-        if self.warm_start:
+        if self._warm:
             self.z_cache = z.detach().clone()
         return z
 
@@ -237,8 +237,7 @@ def deq_backward(module: nn.Module, backward: str) -> Iterator[None]:
     Used to evaluate a second-order metric (e.g. exact SM) of a model trained with ``backward="ift"``:
     ``"unroll"`` gives the exact derivatives of the converged layer.
     """
-    if backward not in BACKWARD_MODES:
-        raise ValueError(f"unknown DEQ backward {backward!r}; choose one of {BACKWARD_MODES}")
+    _check_backward(backward)
     layers = [m for m in module.modules() if isinstance(m, DEQ)]
     saved = [m.backward for m in layers]
     for m in layers:

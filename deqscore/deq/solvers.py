@@ -88,14 +88,19 @@ def get_solver(name: str) -> Solver:
         raise ValueError(f"unknown DEQ solver {name!r}; available: {', '.join(available_solvers())}") from None
 
 
+def check_stopping(tol: float, stop_mode: str) -> None:
+    """Raise ``ValueError`` for a non-positive tolerance or an unknown stopping mode."""
+    if stop_mode not in STOP_MODES:
+        raise ValueError(f"stop_mode must be one of {STOP_MODES}, got {stop_mode!r}")
+    if tol <= 0:
+        raise ValueError(f"tol must be positive, got {tol}")
+
+
 class _Monitor:
     """Residual bookkeeping shared by all solvers (stopping rule, NaN check, history)."""
 
     def __init__(self, name: str, tol: float, stop_mode: str, per_sample: bool):
-        if stop_mode not in STOP_MODES:
-            raise ValueError(f"stop_mode must be one of {STOP_MODES}, got {stop_mode!r}")
-        if tol <= 0:
-            raise ValueError(f"tol must be positive, got {tol}")
+        check_stopping(tol, stop_mode)
         self.name, self.tol, self.stop_mode, self.per_sample = name, tol, stop_mode, per_sample
         self.history: list[float] = []
         self.abs = self.rel = float("inf")

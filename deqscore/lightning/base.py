@@ -147,9 +147,9 @@ class ScoreModule(pl.LightningModule):
     def _log_run_facts(self, batch: Any) -> None:
         """Once per run: parameter count and activation memory of one training step (its loss graph)."""
         x = _inputs(batch)
-        # forked RNG: the measurement must not shift the random draws of the step itself
         if x.is_cuda:
             torch.cuda.reset_peak_memory_stats(x.device)
+        # forked RNG: the measurement must not shift the random draws of the step itself
         with torch.random.fork_rng(), SavedTensorMeter(exclude=self.parameters()) as meter, torch.enable_grad():
             self.compute_loss(x).mean()
         facts = {"run/parameters": float(parameter_count(self)), "run/activation_memory_mb": meter.bytes / 2**20}

@@ -28,11 +28,12 @@ def save_image_grid(images: torch.Tensor, path: str | Path, nrow: int | None = N
 
 def draw_samples(module: torch.nn.Module, n: int, batch_size: int = 256, progress: bool = True) -> torch.Tensor:
     """Call ``module.sample(k)`` in batches until ``n`` samples are drawn (with a progress bar)."""
-    out = []
+    out, drawn = [], 0
     with tqdm(total=n, desc="sampling", disable=not progress, unit="img") as bar:
-        while sum(len(o) for o in out) < n:
-            k = min(batch_size, n - sum(len(o) for o in out))
+        while drawn < n:
+            k = min(batch_size, n - drawn)
             out.append(module.sample(k).cpu())
+            drawn += k
             bar.update(k)
     return torch.cat(out)
 
