@@ -1,6 +1,8 @@
 """Train, validate or test any deqscore model: ``python train.py fit --config configs/nice/deq.yaml``."""
 
-from deqscore.lightning.cli import main
+import sys
+
+from deqscore.lightning.cli import run
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run())

@@ -8,8 +8,8 @@ from deqscore.bench import study
 from deqscore.lightning.callbacks import read_metrics_csv
 
 TINY = [
-    "--model.init_args.hidden=12", "--model.init_args.n_layers=3", "--model.init_args.n_couplings=2",
-    "--model.init_args.max_iter=40", "--model.init_args.tol=1e-5", "--model.init_args.exact_sm_samples=4",
+    "--model.init_args.net.init_args.hidden=12", "--model.init_args.net.init_args.n_layers=3",
+    "--model.init_args.net.init_args.n_couplings=2", "--model.init_args.exact_sm_samples=4",
     "--data.init_args.batch_size=16", "--data.init_args.eval_batch_size=16", "--data.init_args.train_subset=32",
     "--data.init_args.val_subset=16", "--data.init_args.test_subset=16", "--trainer.enable_progress_bar=false",
     "--trainer.enable_model_summary=false", "--trainer.log_every_n_steps=1",

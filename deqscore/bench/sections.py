@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..deq import DEQ
 from ..deq.solvers import get_solver, picard
 from ..metrics import parameter_count
 from ..models import NICE, DEQMNet, explicit_mlp
@@ -24,7 +25,7 @@ def _step_columns(device: torch.device) -> list[Column]:
 
 
 def _deq_net(d_in: int, hidden: int, **deq_kwargs) -> DEQMNet:
-    return DEQMNet(d_in, hidden, d_in, solver="picard", warn_on_nonconvergence=False, **deq_kwargs)
+    return DEQMNet(d_in, hidden, d_in, deq=partial(DEQ, solver="picard", warn_on_nonconvergence=False, **deq_kwargs))
 
 
 # ---------------------------------------------------------------- 1. memory_vs_iterations
@@ -271,11 +272,11 @@ def solvers(s: Settings, device: torch.device) -> Table:
 
 def _nice(s: Settings, m_net: str, couplings: int) -> NICE:
     torch.manual_seed(s.seed)
-    deq_kwargs = {} if m_net == "explicit" else {
-        "solver": s.nice_solver, "tol": s.nice_tol, "max_iter": s.nice_max_iter, "backward": "phantom",
-        "phantom_steps": s.nice_phantom_steps, "warm_start": s.nice_warm_start,
-    }
-    return NICE(s.nice_dim, couplings, m_net, s.nice_hidden, s.nice_n_layers, **deq_kwargs)
+    deq = partial(
+        DEQ, solver=s.nice_solver, tol=s.nice_tol, max_iter=s.nice_max_iter, backward="phantom",
+        phantom_steps=s.nice_phantom_steps, warm_start=s.nice_warm_start,
+    )
+    return NICE(s.nice_dim, couplings, m_net, s.nice_hidden, s.nice_n_layers, deq=deq)
 
 
 def _nice_row(s: Settings, m_net: str, couplings: int, x: torch.Tensor, device: torch.device) -> dict:

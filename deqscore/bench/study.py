@@ -39,8 +39,8 @@ VARIANTS = {
     "explicit_ssm": Variant("configs/nice/explicit.yaml", ("--model.init_args.loss=ssm",)),
     "deq_ssm": Variant("configs/nice/deq.yaml", ("--model.init_args.loss=ssm",)),
     "deq_reference_ssm": Variant("configs/nice/deq_reference.yaml", ("--model.init_args.loss=ssm",)),
-    "explicit_dsm": Variant("configs/nice/explicit.yaml", ("--model.init_args.loss=dsm", "--model.init_args.lr=1e-3")),
-    "deq_dsm": Variant("configs/nice/deq.yaml", ("--model.init_args.loss=dsm", "--model.init_args.lr=1e-3")),
+    "explicit_dsm": Variant("configs/nice/explicit.yaml", ("--model.init_args.loss=dsm", "--optimizer.lr=1e-3")),
+    "deq_dsm": Variant("configs/nice/deq.yaml", ("--model.init_args.loss=dsm", "--optimizer.lr=1e-3")),
 }
 DEFAULT_VARIANTS = ("explicit_ssm", "deq_ssm")
 # exact SM takes D = 784 batched backward passes; 32 samples of the first batch keep it to seconds per validation

@@ -1,22 +1,20 @@
-"""Data: MNIST loading, dequantisation/logit pre-processing, an LMDB image cache and the MNIST DataModule."""
+"""Data: 8-bit image DataModules (one module per dataset, on the generic :class:`ImageDataModule`), the
+dequantisation/logit pre-processing and its :class:`ImageCodec`, an LMDB image cache and the MNIST loaders.
 
-from deqscore.data.datamodule import (
-    ArrayImageDataset,
-    MNISTDataModule,
-    PreprocessedImageDataset,
-    split_indices,
-)
+Layout: :mod:`.base` (``ImageDataModule``), :mod:`.datasets` (split, datasets, sampler), :mod:`.transforms`
+(pre-processing, bits/dim, ``ImageCodec``), :mod:`.lmdb_cache`, :mod:`.zarr` (zarr zip reader),
+:mod:`.errors` and one module per dataset (:mod:`.mnist`).
+"""
+
+from deqscore.data.base import ImageDataModule
+from deqscore.data.datasets import ArrayImageDataset, EpochShuffleSampler, PreprocessedImageDataset, split_indices
+from deqscore.data.errors import CorruptDataError
 from deqscore.data.lmdb_cache import LMDBImageDataset, build_lmdb_cache, lmdb_cache_info
-from deqscore.data.mnist import (
-    CorruptDataError,
-    clear_mnist_cache,
-    find_pureml_mnist,
-    load_mnist,
-    read_zarr_zip_array,
-)
+from deqscore.data.mnist import MNISTDataModule, clear_mnist_cache, find_pureml_mnist, load_mnist
 from deqscore.data.transforms import (
     DEFAULT_ALPHA,
     TRANSFORMS,
+    ImageCodec,
     bits_per_dim,
     check_transform,
     dequantize,
@@ -28,12 +26,16 @@ from deqscore.data.transforms import (
     preprocess,
     to_unit,
 )
+from deqscore.data.zarr import read_zarr_zip_array
 
 __all__ = [
     "DEFAULT_ALPHA",
     "TRANSFORMS",
     "ArrayImageDataset",
     "CorruptDataError",
+    "EpochShuffleSampler",
+    "ImageCodec",
+    "ImageDataModule",
     "LMDBImageDataset",
     "MNISTDataModule",
     "PreprocessedImageDataset",

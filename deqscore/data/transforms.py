@@ -1,4 +1,4 @@
-"""Pre-processing of 8-bit images for density models (METHOD.md §4.1) and the bits/dim conversion.
+"""Pre-processing of 8-bit images for density models (docs/method.md section 4.1) and the bits/dim conversion.
 
 Two pre-processing pipelines are provided; ``k`` is the uint8 pixel value and ``U ~ U(0, 1)``:
 
@@ -8,12 +8,15 @@ Two pre-processing pipelines are provided; ``k`` is the uint8 pixel value and ``
 
   (:func:`dequantize` then :func:`logit_transform`). The clamp is not invertible, so a pixel-space
   likelihood computed from it is only approximate.
-* **Invertible squeeze** (METHOD.md §4.1, "Evaluation"; the standard, comparable bits/dim)::
+* **Invertible squeeze** (docs/method.md section 4.1, "Evaluation"; the standard, comparable bits/dim)::
 
       x~ = (k + U)/256,   x' = alpha + (1 - 2 alpha) x~,   y = logit(x')
 
   (:func:`dequantize_squeeze` then :func:`logit_transform`); :func:`bits_per_dim` with the same ``alpha``
   accounts for the squeeze's Jacobian.
+
+:class:`ImageCodec` bundles a pipeline's name, ``alpha`` and the image shape: it turns model-space samples back
+into images and log-densities into bits/dim, and is plain enough to be stored in a checkpoint.
 
 Example:
 
@@ -31,13 +34,17 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 __all__ = [
     "DEFAULT_ALPHA",
     "TRANSFORMS",
+    "ImageCodec",
     "check_transform",
     "preprocess",
     "to_unit",
@@ -76,7 +83,7 @@ def dequantize(
     alpha: float = DEFAULT_ALPHA,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Dequantise 8-bit images as the reference code does (METHOD.md §4.1).
+    """Dequantise 8-bit images as the reference code does (docs/method.md section 4.1).
 
     ``x = k/255 + (U - 0.5)/256`` with ``U ~ U(0, 1)`` i.i.d. per pixel, then clamped to
     ``[alpha, 1 - alpha]``. The noise is bounded by ``1/512`` in absolute value (the clamp only moves values
@@ -103,7 +110,7 @@ def dequantize_squeeze(
     alpha: float = DEFAULT_ALPHA,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Invertible dequantisation: ``x' = alpha + (1 - 2 alpha) (k + U)/256`` (METHOD.md §4.1, evaluation).
+    """Invertible dequantisation: ``x' = alpha + (1 - 2 alpha) (k + U)/256`` (docs/method.md section 4.1, evaluation).
 
     ``x~ = (k + U)/256`` partitions ``[0, 1)`` into the 256 pixel bins; the affine squeeze keeps ``x'`` inside
     ``[alpha, 1 - alpha]`` without clamping, so the map is invertible (:func:`inverse_squeeze`).
@@ -250,3 +257,96 @@ def to_unit(x: torch.Tensor, transform: str = "logit", alpha: float = DEFAULT_AL
     else:
         out = inverse_squeeze(inverse_logit(x), alpha)
     return out.clamp(0.0, 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageCodec:
+    """The map between model space and 8-bit images of one pre-processing pipeline.
+
+    Holds only plain values (:meth:`as_dict` / :meth:`from_dict`), so a model can keep it in its checkpoint
+    and decode samples or report bits/dim without the data module. Construction validates every field.
+
+    Args:
+        transform: one of :data:`TRANSFORMS`.
+        alpha: clamp/squeeze margin: in ``(0, 0.5)`` for the logit pipelines, ``[0, 0.5)`` for ``"unit"``.
+        image_shape: shape of one image, e.g. ``(1, 28, 28)``.
+
+    >>> codec = ImageCodec("logit_squeeze", 1e-3, (1, 2, 2))
+    >>> images = torch.tensor([[[[0, 64], [128, 255]]]], dtype=torch.uint8)
+    >>> x = preprocess(images.reshape(1, -1), codec.transform, codec.alpha)
+    >>> bool((codec.to_images(x) * 256 - images).abs().max() <= 1.0), codec.exact_bits_per_dim
+    (True, True)
+    >>> ImageCodec.from_dict(codec.as_dict()) == codec
+    True
+    """
+
+    transform: str
+    alpha: float
+    image_shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        check_transform(self.transform)
+        # the logit of 0 or 1 is infinite, so only "unit" accepts alpha = 0
+        lowest_ok = self.alpha >= 0.0 if self.transform == "unit" else self.alpha > 0.0
+        if not (lowest_ok and self.alpha < 0.5):
+            interval = "[0, 0.5)" if self.transform == "unit" else "(0, 0.5)"
+            raise ValueError(f"alpha must lie in {interval} for transform {self.transform!r}, got {self.alpha}")
+        shape = tuple(int(s) for s in self.image_shape)
+        if not shape or min(shape) < 1:
+            raise ValueError(f"image_shape must be a non-empty tuple of positive sizes, got {self.image_shape}")
+        # normalised so that equality and as_dict() do not depend on how the fields were passed
+        object.__setattr__(self, "alpha", float(self.alpha))
+        object.__setattr__(self, "image_shape", shape)
+
+    @property
+    def dim(self) -> int:
+        """Number of model-space dimensions of one image."""
+        return math.prod(self.image_shape)
+
+    @property
+    def exact_bits_per_dim(self) -> bool:
+        """Whether :meth:`bits_per_dim` is exact: only the invertible ``"logit_squeeze"`` pipeline is."""
+        return self.transform == "logit_squeeze"
+
+    def to_images(self, x: torch.Tensor) -> torch.Tensor:
+        """Map model-space samples ``[B, ...]`` (``dim`` values each) to images ``[B, *image_shape]`` in ``[0, 1]``.
+
+        Inverts the transform up to the dequantisation noise (:func:`to_unit`): for ``"logit_squeeze"`` a
+        pixel ``k`` comes back inside its bin ``[k/256, (k+1)/256)``, for the clamp pipelines within
+        ``1/512`` of ``k/255``.
+        """
+        if x.dim() < 1 or math.prod(x.shape[1:]) != self.dim:
+            raise ValueError(
+                f"expected a batch [B, ...] of {self.dim} values per sample (images {self.image_shape}), "
+                f"got shape {tuple(x.shape)}"
+            )
+        return to_unit(x, self.transform, self.alpha).reshape(x.shape[0], *self.image_shape)
+
+    def bits_per_dim(self, log_prob: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Pixel-space bits/dim ``[B]`` (float64) of model-space samples ``x`` of model log-density ``log_prob``.
+
+        Uses :func:`bits_per_dim` with the logit Jacobian (and the squeeze Jacobian for ``"logit_squeeze"``);
+        for ``"unit"`` ``log_prob`` is already a density on ``[0, 1]^D``. Exact for ``"logit_squeeze"``,
+        approximate for the reference clamp pipelines (see :attr:`exact_bits_per_dim`).
+        """
+        log_prob = log_prob.double()
+        if self.transform == "unit":
+            dims = x[0].numel()
+            return -(log_prob - dims * math.log(256)) / (dims * math.log(2.0))
+        alpha = self.alpha if self.transform == "logit_squeeze" else 0.0
+        return bits_per_dim(log_prob, inverse_logit(x.double()), alpha=alpha)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as plain Python values (``image_shape`` as a list), e.g. for a checkpoint or YAML."""
+        return {"transform": self.transform, "alpha": self.alpha, "image_shape": list(self.image_shape)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ImageCodec:
+        """Inverse of :meth:`as_dict`; raises ``ValueError`` on missing or unknown keys or invalid values."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing, unknown = sorted(names - d.keys()), sorted(d.keys() - names)
+        if missing or unknown:
+            raise ValueError(
+                f"an ImageCodec dict needs exactly the keys {sorted(names)}; missing {missing}, unknown {unknown}"
+            )
+        return cls(transform=d["transform"], alpha=float(d["alpha"]), image_shape=tuple(d["image_shape"]))

@@ -33,10 +33,12 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Literal
 
 import torch
 from torch import nn
 
+from ..errors import ConfigError, choice_error
 from .solvers import Solver, SolverStats, check_stopping, get_solver, picard
 
 BACKWARD_MODES = ("phantom", "unroll", "ift")
@@ -44,7 +46,7 @@ BACKWARD_MODES = ("phantom", "unroll", "ift")
 
 def _check_backward(backward: str) -> None:
     if backward not in BACKWARD_MODES:
-        raise ValueError(f"unknown DEQ backward {backward!r}; choose one of {BACKWARD_MODES}")
+        raise choice_error("DEQ backward", backward, BACKWARD_MODES)
 
 
 class DEQConvergenceWarning(RuntimeWarning):
@@ -82,9 +84,9 @@ class DEQ(nn.Module):
         solver: str = "anderson",
         max_iter: int = 128,
         tol: float = 1e-5,
-        stop_mode: str = "abs",
+        stop_mode: Literal["abs", "rel"] = "abs",
         per_sample: bool = False,
-        backward: str = "phantom",
+        backward: Literal["phantom", "unroll", "ift"] = "phantom",
         phantom_steps: int = 2,
         phantom_damping: float = 1.0,
         injection_prestep: bool = False,
@@ -98,15 +100,15 @@ class DEQ(nn.Module):
         check_stopping(tol, stop_mode)
         _check_backward(backward)
         if phantom_steps < 1:  # checked in every mode: deq_backward() may switch a layer to phantom later
-            raise ValueError(
-                "phantom_steps must be >= 1: with 0 steps the output carries no gradient to u or the parameters"
+            raise ConfigError(
+                "DEQ phantom_steps must be >= 1: with 0 steps the output carries no gradient to u or the parameters"
             )
         if not 0.0 < phantom_damping <= 1.0:
-            raise ValueError(f"phantom_damping must lie in (0, 1], got {phantom_damping}")
+            raise ConfigError(f"DEQ phantom_damping must lie in (0, 1], got {phantom_damping}")
         if max_iter < 1:
-            raise ValueError(f"max_iter must be >= 1, got {max_iter}")
-        if ift_tol <= 0:
-            raise ValueError(f"ift_tol must be positive, got {ift_tol}")
+            raise ConfigError(f"DEQ max_iter must be >= 1, got {max_iter}")
+        if ift_max_iter < 1 or ift_tol <= 0:
+            raise ConfigError(f"DEQ ift_max_iter must be >= 1 and ift_tol positive, got {ift_max_iter}, {ift_tol}")
         self.func = func
         self.solver = solver
         self.max_iter = max_iter

@@ -50,7 +50,8 @@ class _SpectralScale(nn.Module):
     def __init__(self, weight: torch.Tensor, n_power_iterations: int, eps: float, conv: dict | None):
         super().__init__()
         self.n_power_iterations, self.eps, self.conv = n_power_iterations, eps, conv
-        shape = (weight.shape[1],) if conv is None else (int(torch.tensor(conv["input_shape"]).prod()),)
+        # the vector lives in the operator's input space: in*k*k for a kernel read as a matrix [out, in*k*k]
+        shape = (weight[0].numel(),) if conv is None else (int(torch.tensor(conv["input_shape"]).prod()),)
         v = F.normalize(torch.randn(shape, dtype=weight.dtype, device=weight.device), dim=0)
         self.register_buffer("v", v)
         self._power_iterate(weight.reshape(weight.shape[0], -1) if conv is None else weight, 15)

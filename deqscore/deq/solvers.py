@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import ConfigError, choice_error
+
 Tensor = torch.Tensor
 FixedPointMap = Callable[[Tensor], Tensor]
 Solver = Callable[..., tuple[Tensor, "SolverStats"]]
@@ -85,15 +87,15 @@ def get_solver(name: str) -> Solver:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise ValueError(f"unknown DEQ solver {name!r}; available: {', '.join(available_solvers())}") from None
+        raise choice_error("DEQ solver", name, available_solvers()) from None
 
 
 def check_stopping(tol: float, stop_mode: str) -> None:
-    """Raise ``ValueError`` for a non-positive tolerance or an unknown stopping mode."""
+    """Raise :class:`ConfigError` for a non-positive tolerance or an unknown stopping mode."""
     if stop_mode not in STOP_MODES:
-        raise ValueError(f"stop_mode must be one of {STOP_MODES}, got {stop_mode!r}")
+        raise choice_error("DEQ stop_mode", stop_mode, STOP_MODES)
     if tol <= 0:
-        raise ValueError(f"tol must be positive, got {tol}")
+        raise ConfigError(f"DEQ tol must be positive, got {tol}")
 
 
 class _Monitor:

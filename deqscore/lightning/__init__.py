@@ -2,7 +2,7 @@
 
 from .base import CheckpointFamilyError, NonFiniteLossError, ScoreModule, family_registry
 from .callbacks import LearningCurves, SampleGrid
-from .checkpoint import load_module
+from .checkpoint import build_module, load_module
 from .nice import NICE_LOSSES, NICEModule
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "NonFiniteLossError",
     "SampleGrid",
     "ScoreModule",
+    "build_module",
     "family_registry",
     "load_module",
 ]

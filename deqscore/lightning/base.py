@@ -1,10 +1,18 @@
 """Shared LightningModule for every model family.
 
-A family subclass builds its plain ``nn.Module`` network in ``__init__`` (``self.net``) and implements
-:meth:`ScoreModule.compute_loss` (per-sample training loss) and :meth:`ScoreModule.eval_metrics` (extra
-validation/test numbers). This base class provides the rest: one ``model_step`` shared by train/val/test,
-logging of DEQ solver statistics, parameter count and activation memory, NaN guards, the optimiser, and a
-family tag in checkpoints so that loading a checkpoint of another family fails clearly.
+A family subclass takes its plain ``nn.Module`` network from the config (``model.init_args.net``, declared
+with its own options in ``deqscore/models/``), builds its loss objects and implements
+
+* :meth:`ScoreModule.compute_loss`: the per-sample training loss ``[B]``, or a dict of named per-sample terms
+  whose ``"loss"`` entry is the objective (every term is logged);
+* :meth:`ScoreModule.eval_metrics`: extra validation/test numbers;
+* :meth:`ScoreModule.sample`: ``n`` samples in model space (``sample_images`` maps them to images through the
+  data module's transform, remembered in checkpoints).
+
+The base class provides one ``model_step`` shared by train/val/test, DEQ solver statistics, the parameter count
+and activation memory, NaN guards, the hyper-parameters a checkpoint needs to rebuild the module, and a family
+tag in checkpoints. Optimisers come from LightningCLI's ``optimizer:``/``lr_scheduler:`` keys; a family with
+several optimisers overrides :meth:`configure_optimizers` (and ``training_step``, with manual optimisation).
 
 Score matching needs input gradients in validation and test too, so every step runs under
 ``torch.enable_grad()``; trainers must be built with ``inference_mode=False`` (inference mode cannot be
@@ -13,17 +21,22 @@ undone by ``enable_grad``), which the CLI and the configs set.
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any, ClassVar
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.utilities import rank_zero_info
 
+from ..data.transforms import ImageCodec
 from ..deq import DEQ
+from ..errors import ConfigError
+from ..losses import Loss
 from ..metrics import SavedTensorMeter, parameter_count
 
 FAMILY_KEY = "deqscore_family"
-OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD, "rmsprop": torch.optim.RMSprop}
+CODEC_KEY = "deqscore_image_codec"
 
 _FAMILIES: dict[str, type[ScoreModule]] = {}
 
@@ -46,8 +59,19 @@ def family_registry() -> dict[str, type[ScoreModule]]:
     return dict(_FAMILIES)
 
 
+def _plain(value: Any) -> bool:
+    """A value a checkpoint can store and a config can restate (no modules, no loss objects)."""
+    if isinstance(value, str | int | float | bool | type(None)):
+        return True
+    if isinstance(value, list | tuple):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    return False
+
+
 class ScoreModule(pl.LightningModule):
-    """Base class; subclasses set ``family`` and build ``self.net``."""
+    """Base class; subclasses set ``family``, take ``net`` (and their options) and implement the hooks."""
 
     family: ClassVar[str] = ""
 
@@ -56,25 +80,62 @@ class ScoreModule(pl.LightningModule):
         if cls.__dict__.get("family"):  # only classes that name a family themselves, not their subclasses
             _FAMILIES[cls.family] = cls
 
-    def __init__(self, lr: float = 1e-4, weight_decay: float = 0.0, optimizer: str = "adam"):
+    def __init__(self) -> None:
         super().__init__()
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {tuple(OPTIMIZERS)}")
-        self.lr, self.weight_decay, self.optimizer_name = lr, weight_decay, optimizer
-        self._activation_memory_logged = False
+        # Built by the CLI or load_module, the hyper-parameters are the config itself (nested class_path/init_args),
+        # enough to rebuild the module from its checkpoint. Built in Python from objects, those objects are left out.
+        frame = inspect.currentframe()
+        self.save_hyperparameters(frame=frame.f_back if frame else None)
+        for key, value in list(self.hparams.items()):
+            if isinstance(value, Loss):
+                self.hparams[key] = value.config()
+            elif not _plain(value):
+                del self.hparams[key]
+        self._run_facts_logged = False
+        self.image_codec: ImageCodec | None = None
 
     # ----- to implement per family -------------------------------------------------------------------
-    def compute_loss(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-sample training loss ``[B]`` on a batch of inputs."""
+    def compute_loss(self, x: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Per-sample training loss ``[B]``, or named per-sample terms with the objective under ``"loss"``."""
         raise NotImplementedError
 
     def eval_metrics(self, x: torch.Tensor, stage: str, batch_idx: int) -> dict[str, torch.Tensor]:
         """Extra validation/test metrics for one batch (means over the batch)."""
         return {}
 
+    def sample(self, n: int) -> torch.Tensor:
+        """``n`` samples from the model, in the model's (data module's transformed) space."""
+        raise NotImplementedError(f"the {self.family!r} family does not draw samples")
+
+    # ----- samples as images -------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        codec = getattr(getattr(self._trainer, "datamodule", None), "codec", None)
+        if codec is not None:  # remembered in checkpoints, so samples can be drawn without the data
+            self.image_codec = codec
+
+    @torch.no_grad()
+    def sample_images(self, n: int) -> torch.Tensor:
+        """``n`` samples as images ``[n, C, H, W]`` in [0, 1], undoing the data module's transform."""
+        if self.image_codec is None:
+            raise ConfigError(
+                f"the {self.family!r} model has no image codec: it was not trained on an image data module "
+                "(one with a `codec`), so its samples cannot be shown as images"
+            )
+        return self.image_codec.to_images(self.sample(n))
+
     # ----- shared machinery --------------------------------------------------------------------------
     def deq_layers(self) -> list[DEQ]:
         return [m for m in self.modules() if isinstance(m, DEQ)]
+
+    def refuse_ift(self, derivatives: int, loss: object) -> None:
+        """Raise if a DEQ layer uses ``backward="ift"`` while the loss differentiates through it ``derivatives``
+        more times than once: the IFT backward would give silently wrong parameter gradients."""
+        if derivatives > 0 and any(d.backward == "ift" for d in self.deq_layers()):
+            raise ConfigError(
+                f"DEQ backward='ift' gives wrong parameter gradients for the loss {loss!r}: it differentiates "
+                "through the DEQ twice (docs/method.md section 2.5); use backward='phantom' or 'unroll', or a "
+                "first-order loss"
+            )
 
     def _deq_stats(self) -> dict[str, float]:
         stats = [d.stats for d in self.deq_layers() if d.stats is not None]
@@ -87,24 +148,37 @@ class ScoreModule(pl.LightningModule):
             "deq/converged": float(all(s.converged for s in stats)),
         }
 
+    def loss_terms(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Batch means of the training objective's terms; ``"loss"`` is the objective."""
+        terms = self.compute_loss(x)
+        terms = terms if isinstance(terms, dict) else {"loss": terms}
+        if "loss" not in terms:
+            raise KeyError(f"{type(self).__name__}.compute_loss returned terms {sorted(terms)} without 'loss'")
+        return {name: value.mean() for name, value in terms.items()}
+
     def model_step(self, batch: Any, stage: str, batch_idx: int = 0) -> torch.Tensor:
         """Loss (and, outside training, metrics) of one batch; logs under ``<stage>/``."""
         x = _inputs(batch)
         with torch.enable_grad():  # score matching differentiates w.r.t. x, also in validation/test
-            loss = self.compute_loss(x).mean()
+            terms = self.loss_terms(x)
+            loss = terms["loss"]
             if not torch.isfinite(loss):
                 raise NonFiniteLossError(
                     f"non-finite {stage} loss ({loss.item()}) at global step {self.global_step}, epoch "
                     f"{self.current_epoch}: training stopped before the update, last good checkpoint kept"
                 )
+            deq_stats = self._deq_stats()  # of the model's own solve, before any metric solves again
             metrics = {} if stage == "train" else self.eval_metrics(x, stage, batch_idx)
-        on_step = stage == "train"
-        self.log(f"{stage}/loss", loss.detach(), prog_bar=True, on_step=on_step, on_epoch=not on_step,
-                 batch_size=x.shape[0], sync_dist=not on_step)
-        for name, value in {**metrics, **self._deq_stats()}.items():
-            self.log(f"{stage}/{name}", value, on_step=on_step, on_epoch=not on_step, batch_size=x.shape[0],
-                     sync_dist=not on_step)
+        self.log_stage(stage, {**terms, **metrics, **deq_stats}, batch_size=x.shape[0])
         return loss
+
+    def log_stage(self, stage: str, values: dict[str, Any], batch_size: int) -> None:
+        """Log ``values`` under ``<stage>/``: per step in training, per epoch (synced across processes) else."""
+        on_step = stage == "train"
+        for name, value in values.items():
+            value = value.detach() if isinstance(value, torch.Tensor) else value
+            self.log(f"{stage}/{name}", value, prog_bar=name == "loss", on_step=on_step, on_epoch=not on_step,
+                     batch_size=batch_size, sync_dist=not on_step)
 
     def _reseed(self, offset: int) -> None:
         """Seed the global RNG from (run seed, offset, rank): the random draws of a step (projections, noise)
@@ -130,7 +204,7 @@ class ScoreModule(pl.LightningModule):
             datamodule.set_epoch(self.current_epoch)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        if not self._activation_memory_logged:
+        if not self._run_facts_logged:
             self._log_run_facts(batch)
         loss = self.model_step(batch, "train", batch_idx)
         # Parameters that do not affect the score (an energy's output bias, say) get no gradient from a
@@ -151,14 +225,20 @@ class ScoreModule(pl.LightningModule):
             torch.cuda.reset_peak_memory_stats(x.device)
         # forked RNG: the measurement must not shift the random draws of the step itself
         with torch.random.fork_rng(), SavedTensorMeter(exclude=self.parameters()) as meter, torch.enable_grad():
-            self.compute_loss(x).mean()
+            self.loss_terms(x)
         facts = {"run/parameters": float(parameter_count(self)), "run/activation_memory_mb": meter.bytes / 2**20}
         if x.is_cuda:
             facts["run/max_memory_allocated_mb"] = torch.cuda.max_memory_allocated(x.device) / 2**20
+        # the losses with every option resolved (e.g. which DSM weighting), beside the config's short names
+        losses = {k: repr(v) for k, v in vars(self).items() if isinstance(v, Loss)}
         if self.trainer.is_global_zero:  # logged once, straight to the loggers (not a per-step metric)
+            for name, text in losses.items():
+                rank_zero_info(f"{name}: {text}")
             for logger in self.loggers:
                 logger.log_metrics(facts, step=self.global_step)
-        self._activation_memory_logged = True
+                if losses:
+                    logger.log_hyperparams({f"resolved_{k}": v for k, v in losses.items()})
+        self._run_facts_logged = True
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         named = [(name, p.grad) for name, p in self.named_parameters() if p.grad is not None]
@@ -170,12 +250,18 @@ class ScoreModule(pl.LightningModule):
                 "update, last good checkpoint kept"
             )
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return OPTIMIZERS[self.optimizer_name](self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+    def configure_optimizers(self) -> Any:
+        # LightningCLI replaces this method by the config's `optimizer:` (and `lr_scheduler:`) keys
+        raise ConfigError(
+            "no optimizer configured: give `optimizer:` in the config (e.g. `--optimizer Adam --optimizer.lr 1e-4`), "
+            "or override configure_optimizers when building the module in Python"
+        )
 
     # ----- checkpoints ---------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[FAMILY_KEY] = self.family
+        if self.image_codec is not None:
+            checkpoint[CODEC_KEY] = self.image_codec.as_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         found = checkpoint.get(FAMILY_KEY)
@@ -184,3 +270,5 @@ class ScoreModule(pl.LightningModule):
                 f"checkpoint holds a {found!r} model, not {self.family!r}; load it with the "
                 f"{found!r} module (sample.py picks the family from the checkpoint)"
             )
+        if checkpoint.get(CODEC_KEY) is not None:
+            self.image_codec = ImageCodec.from_dict(checkpoint[CODEC_KEY])

@@ -23,8 +23,8 @@ def run_dir(trainer: pl.Trainer) -> Path:
 class SampleGrid(pl.Callback):
     """Write a PNG grid of ``n_samples`` model samples every ``every_n_epochs`` epochs and at the end of fit.
 
-    Files: ``<run>/samples/epoch_<e>.png`` and ``<run>/samples.png``. The module must have ``sample(n)``
-    returning images in [0, 1].
+    Files: ``<run>/samples/epoch_<e>.png`` and ``<run>/samples.png``. Images come from
+    :meth:`ScoreModule.sample_images`, which undoes the data module's transform.
     """
 
     def __init__(self, n_samples: int = 64, every_n_epochs: int = 0):
@@ -34,7 +34,7 @@ class SampleGrid(pl.Callback):
     def _write(self, trainer: pl.Trainer, module: pl.LightningModule, path: Path) -> None:
         was_training = module.training
         module.eval()
-        save_image_grid(module.sample(self.n_samples), path)
+        save_image_grid(module.sample_images(self.n_samples), path)
         module.train(was_training)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:

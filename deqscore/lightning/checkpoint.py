@@ -1,33 +1,85 @@
-"""Load any deqscore checkpoint: the model family is read from the checkpoint itself.
+"""Build a module from its config, and load any deqscore checkpoint (the model family is read from it).
 
+A module's hyper-parameters are its config (``class_path``/``init_args`` for the network and losses), so a
+checkpoint alone rebuilds it.
+
+>>> module = build_module({
+...     "class_path": "deqscore.lightning.NICEModule",
+...     "init_args": {"net": {"class_path": "deqscore.models.NICE",
+...                           "init_args": {"dim": 4, "n_couplings": 2, "hidden": 8, "n_layers": 3}},
+...                   "loss": "ssm_vr"}})
+>>> type(module.net).__name__, module.loss
+('NICE', SSMVR(n_projections=1, projection='rademacher'))
 >>> # module = load_module("checkpoints/demo/checkpoints/last.ckpt")   # the NICEModule (or other family)
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
+from pytorch_lightning.cli import instantiate_module
+from pytorch_lightning.core.mixins.hparams_mixin import _given_hyperparameters_context
 
+from ..errors import ConfigError
 from .base import FAMILY_KEY, CheckpointFamilyError, ScoreModule, family_registry
 
+# the instantiator Lightning records next to CLI-built hyper-parameters (and trusts when loading)
+_INSTANTIATOR = "pytorch_lightning.cli.instantiate_module"
 
-def load_module(path: str | Path, family: str | None = None, map_location: str = "cpu") -> ScoreModule:
-    """Rebuild the LightningModule stored in ``path``; with ``family`` given, a checkpoint of another family
-    raises :class:`CheckpointFamilyError`."""
+
+def _instantiate(hparams: dict[str, Any]) -> ScoreModule:
+    """Build the module described by flat hyper-parameters ``{"_class_path": ..., **init_args}``, recording them
+    as its hyper-parameters (as LightningCLI does), so that its own checkpoints rebuild it again."""
+    hparams = {k: v for k, v in hparams.items() if k != "_instantiator"}
+    with _given_hyperparameters_context(hparams=dict(hparams), instantiator=_INSTANTIATOR):
+        try:
+            return instantiate_module(ScoreModule, hparams)
+        except Exception as err:  # jsonargparse wraps the constructor's error; keep its message
+            cause = err.__cause__ if isinstance(err.__cause__, ConfigError) else err
+            raise ConfigError(f"cannot build {hparams.get('_class_path')}: {cause}") from err
+
+
+def build_module(config: dict[str, Any]) -> ScoreModule:
+    """The module of a ``{"class_path": ..., "init_args": {...}}`` config (the ``model:`` entry of a run)."""
+    if "class_path" not in config:
+        raise ConfigError(f"a module config needs a class_path; got keys {sorted(config)}")
+    return _instantiate({"_class_path": config["class_path"], **config.get("init_args", {})})
+
+
+def read_checkpoint(path: str | Path, map_location: str = "cpu") -> dict[str, Any]:
+    """The checkpoint dict in ``path``, checked to be a deqscore checkpoint of a known family."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=False)
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # truncated or foreign files
-        raise ValueError(f"{path} is not a readable PyTorch checkpoint: {err}") from err
+        raise CheckpointFamilyError(f"{path} is not a readable PyTorch checkpoint: {err}") from err
     found = ckpt.get(FAMILY_KEY) if isinstance(ckpt, dict) else None
     registry = family_registry()
     if found not in registry:
         raise CheckpointFamilyError(
             f"{path} is not a deqscore checkpoint (model family {found!r}; known: {sorted(registry)})"
         )
+    return ckpt
+
+
+def load_module(path: str | Path, family: str | None = None, map_location: str = "cpu") -> ScoreModule:
+    """Rebuild the LightningModule stored in ``path``; with ``family`` given, a checkpoint of another family
+    raises :class:`CheckpointFamilyError`."""
+    ckpt = read_checkpoint(path, map_location)
+    found = ckpt[FAMILY_KEY]
     if family is not None and found != family:
         raise CheckpointFamilyError(f"{path} holds a {found!r} model, expected {family!r}")
-    return registry[found].load_from_checkpoint(path, map_location=map_location)
+    hparams = dict(ckpt.get("hyper_parameters") or {})
+    if "_class_path" not in hparams:
+        raise CheckpointFamilyError(
+            f"{path} does not record the module's config (it was built in Python from objects); build modules "
+            "with train.py or deqscore.lightning.build_module to get checkpoints that rebuild them"
+        )
+    module = _instantiate(hparams)
+    module.on_load_checkpoint(ckpt)
+    module.load_state_dict(ckpt["state_dict"])
+    return module.to(map_location)

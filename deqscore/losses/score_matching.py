@@ -25,7 +25,7 @@ Tensor = torch.Tensor
 ScoreFn = Callable[[Tensor], Tensor]
 
 PROJECTIONS = ("rademacher", "gaussian", "sphere")
-DSM_SCALINGS = ("sigma2", "sigma4")
+DSM_WEIGHTINGS = ("none", "sigma2", "sigma4")
 
 
 def score_from_log_prob(log_prob_fn: Callable[[Tensor], Tensor]) -> ScoreFn:
@@ -156,19 +156,19 @@ def _per_sample(sigma: float | Tensor, x: Tensor) -> Tensor:
 
 
 def denoising_score_matching(
-    score_fn: ScoreFn, x: Tensor, sigma: float | Tensor, scaling: str = "sigma2"
+    score_fn: ScoreFn, x: Tensor, sigma: float | Tensor, weighting: str = "sigma2"
 ) -> Tensor:
-    """DSM: ``x~ = x + sigma*eps`` and ``0.5 ||sigma*s(x~) + eps||^2`` (the sigma^2-weighted loss).
+    """DSM: ``x~ = x + sigma*eps`` and the unweighted loss ``0.5 ||s(x~) + eps/sigma||^2`` times sigma^p.
 
-    ``scaling="sigma4"`` gives the reference code's ``0.5 ||sigma^2 s(x~) + sigma*eps||^2``, i.e. sigma^4 times
-    the unweighted ``0.5 ||s(x~) + eps/sigma||^2``.
+    ``weighting``: ``"none"`` (p = 0), ``"sigma2"`` (p = 2, ``0.5 ||sigma*s(x~) + eps||^2``, the usual scale) or
+    ``"sigma4"`` (p = 4, the paper's reference code: ``0.5 ||sigma^2 s(x~) + sigma*eps||^2``).
     """
-    if scaling not in DSM_SCALINGS:
-        raise ValueError(f"unknown DSM scaling {scaling!r}; choose one of {DSM_SCALINGS}")
+    if weighting not in DSM_WEIGHTINGS:
+        raise ValueError(f"unknown DSM weighting {weighting!r}; accepted: {DSM_WEIGHTINGS}")
     x = prepare_input(x).detach()
     sig = _per_sample(sigma, x)
     eps = torch.randn_like(x)
     xt = (x + sig * eps).requires_grad_(True)
     s = checked_score(score_fn, xt)
-    loss = 0.5 * _flat_sq(sig * s + eps)
-    return loss * sig.flatten() ** 2 if scaling == "sigma4" else loss
+    sigma2_weighted = 0.5 * _flat_sq(sig * s + eps)  # computed in this form: no division by a small sigma
+    return sigma2_weighted * sig.flatten() ** (DSM_WEIGHTINGS.index(weighting) * 2 - 2)

@@ -1,5 +1,18 @@
-"""Plain ``nn.Module`` networks (no Lightning): NICE flows with explicit or DEQ coupling networks."""
+"""Plain ``nn.Module`` networks (no Lightning): NICE flows with explicit or DEQ coupling networks, and NICE's
+own losses (maximum likelihood, Kingma and curvature-propagation approximate backprop)."""
 
-from .nice import M_NETS, NICE, DEQMNet, NICEDEQMap, explicit_mlp
+from .nice import M_NETS, NICE, DEQFactory, DEQMNet, NICEDEQMap, explicit_mlp
+from .nice_losses import CurvaturePropagationSM, KingmaSM, MaximumLikelihood, NICEObjective
 
-__all__ = ["M_NETS", "NICE", "DEQMNet", "NICEDEQMap", "explicit_mlp"]
+__all__ = [
+    "M_NETS",
+    "NICE",
+    "CurvaturePropagationSM",
+    "DEQFactory",
+    "DEQMNet",
+    "KingmaSM",
+    "MaximumLikelihood",
+    "NICEDEQMap",
+    "NICEObjective",
+    "explicit_mlp",
+]

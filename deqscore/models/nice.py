@@ -14,12 +14,17 @@ True
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..deq import DEQ
+from ..errors import ConfigError, choice_error
+
+DEQFactory = Callable[[nn.Module], DEQ]  # DEQ options bound, the fixed-point map still to come
 
 M_NETS = ("explicit", "deq")
 
@@ -27,7 +32,7 @@ M_NETS = ("explicit", "deq")
 def explicit_mlp(d_in: int, hidden: int, n_layers: int, d_out: int) -> nn.Sequential:
     """``n_layers`` Linear layers, Softplus between: ``d_in -> hidden x (n_layers-1) -> d_out``."""
     if n_layers < 2:
-        raise ValueError(f"an explicit m-net needs n_layers >= 2, got {n_layers}")
+        raise ConfigError(f"an explicit m-net needs n_layers >= 2, got {n_layers}")
     dims = [d_in] + [hidden] * (n_layers - 1) + [d_out]
     layers: list[nn.Module] = []
     for i, (a, b) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
@@ -62,11 +67,11 @@ class NICEDEQMap(nn.Module):
 class DEQMNet(nn.Module):
     """DEQ coupling network: ``u = SP(Linear(x1))``, ``z* = F(z*, u)``, output ``Linear(z*)``."""
 
-    def __init__(self, d_in: int, hidden: int, d_out: int, scale: float = 0.5, grad_through_norm: bool = True,
-                 **deq_kwargs):
+    def __init__(self, d_in: int, hidden: int, d_out: int, deq: DEQFactory = DEQ, scale: float = 0.5,
+                 grad_through_norm: bool = True):
         super().__init__()
         self.inject = nn.Linear(d_in, hidden)
-        self.deq = DEQ(NICEDEQMap(hidden, scale, grad_through_norm), **deq_kwargs)
+        self.deq = deq(NICEDEQMap(hidden, scale, grad_through_norm))
         self.out = nn.Linear(hidden, d_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,27 +89,30 @@ class NICE(nn.Module):
         n_layers: Linear layers of an explicit m-net.
         deq_scale: contraction factor ``a`` of the DEQ map.
         grad_through_norm: differentiate the DEQ map's Frobenius normaliser.
-        **deq_kwargs: passed to :class:`deqscore.deq.DEQ` (solver, max_iter, tol, backward, phantom_steps, ...).
+        deq: the DEQ layer of each DEQ m-net, called with its fixed-point map; in a config a ``class_path:
+            deqscore.deq.DEQ`` whose ``init_args`` are the solver and backward options (default: DEQ's own).
     """
 
     def __init__(
         self,
-        dim: int = 784,
-        n_couplings: int = 4,
-        m_net: str = "explicit",
-        hidden: int = 1000,
-        n_layers: int = 5,
-        deq_scale: float = 0.5,
-        grad_through_norm: bool = True,
-        **deq_kwargs,
+        dim: int = 784,  # data dimension D (even)
+        n_couplings: int = 4,  # additive couplings (the reference code uses 2)
+        m_net: Literal["explicit", "deq"] = "explicit",  # coupling network kind
+        hidden: int = 1000,  # m-net width
+        n_layers: int = 5,  # Linear layers of an explicit m-net
+        deq_scale: float = 0.5,  # contraction factor a of the DEQ map
+        grad_through_norm: bool = True,  # differentiate the DEQ map's Frobenius normaliser (reference: yes)
+        deq: DEQFactory | None = None,  # DEQ layer options (m_net="deq"); None: DEQ's defaults
     ):
         super().__init__()
         if m_net not in M_NETS:
-            raise ValueError(f"unknown m_net {m_net!r}; choose one of {M_NETS}")
-        if dim % 2:
-            raise ValueError(f"NICE needs an even dimension, got {dim}")
+            raise choice_error("NICE m_net", m_net, M_NETS)
+        if dim % 2 or dim < 2:
+            raise ConfigError(f"NICE needs an even dimension, got {dim}")
+        if n_couplings < 0:
+            raise ConfigError(f"NICE needs n_couplings >= 0, got {n_couplings}")
         if not 0.0 < deq_scale < 1.0:
-            raise ValueError(f"deq_scale must lie in (0, 1) for the DEQ map to contract, got {deq_scale}")
+            raise ConfigError(f"deq_scale must lie in (0, 1) for the DEQ map to contract, got {deq_scale}")
         self.dim, self.m_net_kind = dim, m_net
         half = dim // 2
         nets = []
@@ -112,7 +120,7 @@ class NICE(nn.Module):
             if m_net == "explicit":
                 nets.append(explicit_mlp(half, hidden, n_layers, half))
             else:
-                nets.append(DEQMNet(half, hidden, half, deq_scale, grad_through_norm, **deq_kwargs))
+                nets.append(DEQMNet(half, hidden, half, deq or DEQ, deq_scale, grad_through_norm))
         self.m_nets = nn.ModuleList(nets)
         self.log_scale = nn.Parameter(torch.zeros(dim))
 

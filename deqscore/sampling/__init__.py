@@ -9,6 +9,7 @@ True
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -26,13 +27,15 @@ def save_image_grid(images: torch.Tensor, path: str | Path, nrow: int | None = N
     save_image(images.float().clamp(0, 1).cpu(), str(path), nrow=nrow, padding=2)
 
 
-def draw_samples(module: torch.nn.Module, n: int, batch_size: int = 256, progress: bool = True) -> torch.Tensor:
-    """Call ``module.sample(k)`` in batches until ``n`` samples are drawn (with a progress bar)."""
+def draw_samples(
+    draw: Callable[[int], torch.Tensor], n: int, batch_size: int = 256, progress: bool = True
+) -> torch.Tensor:
+    """Call ``draw(k)`` (e.g. ``module.sample_images``) in batches until ``n`` samples are drawn."""
     out, drawn = [], 0
     with tqdm(total=n, desc="sampling", disable=not progress, unit="img") as bar:
         while drawn < n:
             k = min(batch_size, n - drawn)
-            out.append(module.sample(k).cpu())
+            out.append(draw(k).cpu())
             drawn += k
             bar.update(k)
     return torch.cat(out)

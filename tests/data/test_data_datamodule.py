@@ -1,4 +1,4 @@
-"""MNISTDataModule: split, deterministic evaluation noise, transforms, loaders, LMDB backing."""
+"""MNISTDataModule: split, deterministic evaluation noise, transforms, loaders, LMDB backing, defaults."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from deqscore.data import MNISTDataModule, split_indices
+from deqscore.data import ImageCodec, split_indices
+from deqscore.data import mnist as mnist_module
+from deqscore.data.mnist import MNISTDataModule
 
 
 def _module(tmp_path, **kwargs) -> MNISTDataModule:
@@ -158,6 +160,24 @@ def test_loader_errors(tmp_path):
     dm.setup("fit")
     with pytest.raises(ValueError, match="fewer than batch_size"):
         dm.train_dataloader()
+
+
+def test_defaults_give_exact_bits_per_dim(tmp_path):
+    dm = MNISTDataModule()
+    assert dm.transform == "logit_squeeze" and dm.alpha == 1e-3 and dm.bits_per_dim_exact
+    assert dm.codec == ImageCodec("logit_squeeze", 1e-3, (1, 28, 28))
+    assert dm.data_dir == "datasets" and dm.batch_size == 128 and dm.eval_batch_size == 128
+    assert _module(tmp_path).lmdb_path(False) == tmp_path / "mnist_lmdb" / "test"
+    assert not _module(tmp_path, transform="logit").bits_per_dim_exact
+
+
+def test_only_prepare_data_may_download(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(mnist_module, "load_mnist", lambda root, train, sources: calls.append((train, sources)))
+    dm = _module(tmp_path)
+    dm.load_arrays(True, download=False)
+    dm.load_arrays(False, download=True)
+    assert calls == [(True, ("torchvision", "pureml")), (False, ("torchvision", "pureml", "download"))]
 
 
 def test_argument_validation(tmp_path):

@@ -1,4 +1,4 @@
-"""load_mnist: the three sources, their order, the error paths and the zarr zip reader."""
+"""load_mnist: the three sources, their order and the error paths (the zarr reader: test_data_zarr.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numcodecs
 import numpy as np
 import pytest
 
-from deqscore.data import CorruptDataError, load_mnist, read_zarr_zip_array
+from deqscore.data.mnist import CorruptDataError, load_mnist
 
 # Label counts of the official MNIST splits.
 TRAIN_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
@@ -162,53 +162,6 @@ def test_truncated_torchvision_file_names_the_file(
     with pytest.raises(CorruptDataError) as info:
         load_mnist(tmp_path, True, sources=("torchvision",))
     assert "train-images-idx3-ubyte" in str(info.value)
-
-
-def _write_zarr_zip(
-    path: Path, array: np.ndarray, chunks: tuple[int, ...], skip: set[tuple[int, ...]]
-) -> None:
-    meta = {
-        "zarr_format": 3,
-        "node_type": "array",
-        "shape": list(array.shape),
-        "data_type": str(array.dtype),
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-        "fill_value": 9,
-        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "blosc"}],
-    }
-    blosc = numcodecs.Blosc(cname="zstd", clevel=3)
-    with zipfile.ZipFile(path, "w") as zf:
-        zf.writestr("zarr.json", json.dumps({"zarr_format": 3, "node_type": "group"}))
-        zf.writestr("a/zarr.json", json.dumps(meta))
-        grid = [range(-(-s // c)) for s, c in zip(array.shape, chunks, strict=True)]
-        for index in np.ndindex(*[len(g) for g in grid]):
-            if index in skip:
-                continue
-            block = np.zeros(chunks, dtype=array.dtype)  # edge chunks are stored full size, padded
-            part = array[tuple(slice(i * c, (i + 1) * c) for i, c in zip(index, chunks, strict=True))]
-            block[tuple(slice(0, n) for n in part.shape)] = part
-            zf.writestr(
-                "a/c/" + "/".join(map(str, index)), blosc.encode(block.astype("<" + array.dtype.str[1:]))
-            )
-
-
-def test_zarr_reader_on_a_handmade_store(tmp_path):
-    rng = np.random.default_rng(0)
-    array = rng.integers(0, 1000, size=(5, 7), dtype=np.int32)
-    path = tmp_path / "a.zarr.zip"
-    _write_zarr_zip(path, array, (2, 3), skip=set())
-    assert np.array_equal(read_zarr_zip_array(path, "a"), array)
-    # a missing chunk is an error by default and the fill value when allowed
-    _write_zarr_zip(path, array, (2, 3), skip={(1, 2)})
-    with pytest.raises(CorruptDataError, match="missing chunk 'a/c/1/2'"):
-        read_zarr_zip_array(path, "a")
-    got = read_zarr_zip_array(path, "a", allow_missing_chunks=True)
-    expected = array.copy()
-    expected[2:4, 6:7] = 9
-    assert np.array_equal(got, expected)
-    with pytest.raises(FileNotFoundError):
-        read_zarr_zip_array(tmp_path / "nope.zip", "a")
 
 
 def test_pureml_cache_tracks_file_changes(tmp_path, pureml_zip):

@@ -46,7 +46,7 @@ def test_dequantize_range_and_noise_bound():
 
 def test_dequantize_clamps_black_pixels_as_the_spec_says():
     x = dequantize(torch.zeros(200_000, dtype=torch.uint8), generator=torch.Generator().manual_seed(1))
-    # P(noise < 1e-3) = (1e-3 + 1/512) / (1/256) = 0.756 (METHOD.md 4.1: "about 76%")
+    # P(noise < 1e-3) = (1e-3 + 1/512) / (1/256) = 0.756 (docs/method.md section 4.1: "about 76%")
     assert (x == ALPHA).float().mean().item() == pytest.approx(0.756, abs=0.005)
 
 

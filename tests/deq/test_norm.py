@@ -71,3 +71,12 @@ def test_spectral_normalised_layer_trains_inside_a_deq():
     loss.backward()
     assert torch.isfinite(fmap.lin.parametrizations.weight.original.grad).all()
     assert fmap.lin.parametrizations.weight[0].v.device == fmap.lin.parametrizations.weight.original.device
+
+
+def test_spectral_normalize_conv_without_input_shape_normalises_the_reshaped_kernel():
+    # without an input shape the kernel is read as a matrix [out, in*k*k]; its largest singular value becomes 1
+    torch.manual_seed(0)
+    conv = spectral_normalize(nn.Conv2d(4, 6, 3), n_power_iterations=50)
+    conv(torch.randn(2, 4, 8, 8))  # a training-mode forward runs further power iterations
+    sigma = torch.linalg.matrix_norm(conv.weight.detach().reshape(6, -1), ord=2)
+    assert abs(sigma.item() - 1.0) < 1e-4

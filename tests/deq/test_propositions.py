@@ -1,4 +1,5 @@
-"""The implicit derivatives of METHOD.md Prop. 1 (eqs. 8-9), in closed form, against autograd through a DEQ."""
+"""The implicit derivatives of docs/method.md section 2.6 (Prop. 1, eqs. 8-9), in closed form, against autograd
+through a DEQ."""
 
 import torch
 import torch.nn.functional as F

@@ -77,7 +77,7 @@ def test_stats_report_nonconvergence():
 
 
 def test_registry_rejects_unknown_and_accepts_new_solvers():
-    with pytest.raises(ValueError, match="available: .*anderson"):
+    with pytest.raises(ValueError, match="accepted: .*anderson"):
         get_solver("newton-krylov")
     name = "half-picard-test"
     if name not in available_solvers():

@@ -13,7 +13,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from deqscore.lightning import NICEModule
+from deqscore.lightning import NICEModule, build_module
 
 GLOBAL_BATCH = 8
 
@@ -23,14 +23,17 @@ class NICEWithUnusedBias(NICEModule):
         super().__init__(**kwargs)
         self.energy_bias = torch.nn.Parameter(torch.zeros(1))  # shifts log p, so it has no score
 
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
 
 def main(out: str, devices: int) -> None:
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(GLOBAL_BATCH, 8))
-    model = NICEWithUnusedBias(
-        dim=8, n_couplings=2, m_net="deq", hidden=8, solver="anderson", tol=1e-9, max_iter=200,
-        warm_start=False, loss="exact", optimizer="sgd", lr=0.05, exact_sm_batches=0,
-    )
+    deq = {"class_path": "deqscore.deq.DEQ", "init_args": {"solver": "anderson", "tol": 1e-9, "max_iter": 200}}
+    net = {"dim": 8, "n_couplings": 2, "m_net": "deq", "hidden": 8, "deq": deq}
+    model = build_module({"class_path": f"{__name__}.NICEWithUnusedBias", "init_args": {
+        "net": {"class_path": "deqscore.models.NICE", "init_args": net}, "loss": "exact", "exact_sm_batches": 0}})
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_steps=2,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

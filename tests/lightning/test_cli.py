@@ -3,44 +3,26 @@ import hashlib
 import pytest
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import ModelCheckpoint
 
-from deqscore.data import MNISTDataModule
 from deqscore.deq import DEQ
-from deqscore.lightning import CheckpointFamilyError, NICEModule, NonFiniteLossError, load_module
-from deqscore.lightning.cli import DeqscoreCLI, main
+from deqscore.errors import ConfigError
+from deqscore.lightning import CheckpointFamilyError, NonFiniteLossError, build_module, load_module
+from deqscore.lightning.cli import DeqscoreCLI, main, run
+from deqscore.lightning.nice import NICE_LOSSES
 
-from .conftest import CONFIGS, ROOT, tiny_args
+from .conftest import FAMILY_TINY, ROOT, tiny_args
 
-
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(ROOT / "configs")))
-def test_every_config_parses_and_instantiates(config, tmp_path):
-    cli = DeqscoreCLI(args=["--config", str(config), "--runs_root", str(tmp_path)], run=False)
-    model = cli.model
-    assert isinstance(model, NICEModule)
-    n_deq = sum(isinstance(m, DEQ) for m in model.modules())
-    # a DEQ config really builds DEQ layers, one per coupling; an explicit one none
-    assert n_deq == (model.hparams.n_couplings if model.hparams.m_net == "deq" else 0)
-    assert cli.trainer.validate_loop.inference_mode is False and cli.trainer.test_loop.inference_mode is False
-    assert str(cli.trainer.default_root_dir).startswith(str(tmp_path))
-    assert isinstance(cli.datamodule, MNISTDataModule)  # every config is complete on its own
-    assert any(isinstance(c, ModelCheckpoint) and c.save_last for c in cli.trainer.callbacks)
-    if config.name == "deq_reference.yaml":  # the reference code's settings (METHOD.md 2.5, 7)
-        hp = model.hparams
-        assert (hp.n_couplings, hp.phantom_steps, hp.injection_prestep, hp.tol) == (2, 1, True, 2e-5)
-
-
-LOSSES = ["exact", "ssm", "ssm_vr", "dsm", "mle"]
+FAMILY_CONFIGS = [c for configs, _ in FAMILY_TINY.values() for c in configs]
 
 
 @pytest.mark.parametrize("m_net", ["explicit", "deq"])
-@pytest.mark.parametrize("loss", [*LOSSES, "kingma", "cp"])
-def test_fast_dev_run_every_loss(m_net, loss, tmp_path):
-    args = ["fit", *tiny_args(tmp_path), "--model.init_args.m_net", m_net, "--model.init_args.loss", loss,
-            "--trainer.fast_dev_run", "1"]
+@pytest.mark.parametrize("loss", NICE_LOSSES)
+def test_fast_dev_run_every_loss(m_net, loss, tmp_path, capsys):
+    args = ["fit", *tiny_args(tmp_path), "--model.init_args.net.init_args.m_net", m_net,
+            "--model.init_args.loss", loss, "--trainer.fast_dev_run", "1"]
     if m_net == "deq" and loss in ("kingma", "cp"):
-        with pytest.raises(ValueError, match="only with m_net='explicit'"):
-            main(args)
+        assert run(args) == 2
+        assert "works only with net m_net='explicit'" in capsys.readouterr().err
         return
     cli = DeqscoreCLI(args=args[1:], run=False)
     before = {k: v.clone() for k, v in cli.model.state_dict().items()}
@@ -54,16 +36,40 @@ def test_fast_dev_run_every_loss(m_net, loss, tmp_path):
         assert metrics["train/deq/nstep"] >= 1 and metrics["train/deq/converged"] == 1
 
 
-def test_unknown_names_are_rejected(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        DeqscoreCLI(args=[*tiny_args(tmp_path), "--model.init_args.no_such_key", "1"], run=False)
-    assert "no_such_key" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="unknown NICE loss 'nce'"):
-        DeqscoreCLI(args=[*tiny_args(tmp_path), "--model.init_args.loss", "nce"], run=False)
-    with pytest.raises(ValueError, match="unknown DEQ solver 'newton'"):
-        DeqscoreCLI(args=[*tiny_args(tmp_path), "--model.init_args.solver", "newton"], run=False)
-    with pytest.raises(ValueError, match="inference_mode must be false"):
-        DeqscoreCLI(args=[*tiny_args(tmp_path), "--trainer.inference_mode", "true"], run=False)
+DEQ_KEY = "--model.init_args.net.init_args.deq.init_args"
+USAGE_ERRORS = [  # (extra arguments, what the one-line message must say)
+    (["--model.init_args.no_such_key", "1"], "model.init_args.no_such_key: Option 'no_such_key' is not accepted"),
+    (["--model.init_args.loss", "nce"],
+     "model.init_args.loss: 'nce' is not accepted\n  accepted: 'exact', 'ssm', 'ssm_vr', 'dsm', 'mle', 'kingma', 'cp'"),
+    ([f"{DEQ_KEY}.solver", "newton"], "unknown DEQ solver 'newton'; accepted: 'anderson', 'broyden'"),
+    ([f"{DEQ_KEY}.backward", "adjoint"], "deq.init_args.backward: 'adjoint' is not accepted\n  accepted: 'phantom'"),
+    ([f"{DEQ_KEY}.tol", "-1"], "DEQ tol must be positive, got -1.0"),
+    (["--model.init_args.loss", "deqscore.losses.SSM", "--model.init_args.loss.projection", "uniform"],
+     "model.init_args.loss.projection: 'uniform' is not accepted\n  accepted: 'rademacher', 'gaussian', 'sphere'"),
+    (["--model.init_args.loss.n_projections", "2"], "model.init_args.loss: cannot set n_projections='2' on a short"),
+    (["--model.init_args.net.init_args.hidden", "wide"], "net.init_args.hidden: Expected a <class 'int'>"),
+    (["--optimizer", "Adamm"], "optimizer: 'Adamm' is not accepted\n  accepted: any torch.optim optimizer"),
+    (["--data.init_args.transform", "sigmoid"],
+     "data.init_args.transform: 'sigmoid' is not accepted\n  accepted: 'logit', 'unit', 'logit_squeeze'"),
+    (["--trainer.inference_mode", "true"], "trainer.inference_mode must be false"),
+    (["--ckpt_path", "missing.ckpt"], "ckpt_path: no checkpoint at missing.ckpt"),
+    (["--config", "no/such/config.yaml"], "File does not exist"),
+]
+
+
+@pytest.mark.parametrize(("extra", "expected"), USAGE_ERRORS, ids=[" ".join(e[:2]) for e, _ in USAGE_ERRORS])
+def test_usage_errors_are_one_message_without_traceback(tmp_path, capsys, extra, expected):
+    assert run(["fit", *tiny_args(tmp_path), *extra]) == 2
+    err = capsys.readouterr().err
+    assert "error: " in err and expected in err, err
+    assert "Traceback" not in err and "usage:" not in err and len(err.splitlines()) <= 4, err
+    assert not (tmp_path / "t").exists()  # nothing was written
+
+
+def test_a_checkpoint_that_is_not_one_is_a_usage_error(tmp_path, capsys):
+    (tmp_path / "junk.ckpt").write_bytes(b"not a checkpoint")
+    assert run(["fit", *tiny_args(tmp_path), "--ckpt_path", str(tmp_path / "junk.ckpt")]) == 2
+    assert "junk.ckpt is not a readable PyTorch checkpoint" in capsys.readouterr().err
 
 
 def _fit(tmp_path, run_name, epochs, extra=(), ckpt=None, config="configs/nice/explicit.yaml"):
@@ -73,7 +79,7 @@ def _fit(tmp_path, run_name, epochs, extra=(), ckpt=None, config="configs/nice/e
     return main(args)
 
 
-@pytest.mark.parametrize("config", ["configs/nice/explicit.yaml", "configs/nice/deq.yaml"])
+@pytest.mark.parametrize("config", FAMILY_CONFIGS, ids=lambda p: str(p.relative_to(ROOT / "configs")))
 def test_resume_continues_exactly(tmp_path, config):
     straight = _fit(tmp_path, "straight", 2, config=config)
     first = _fit(tmp_path, "resumed", 1, config=config)
@@ -88,7 +94,7 @@ def test_resume_continues_exactly(tmp_path, config):
     a, b = straight.model.state_dict(), resumed.model.state_dict()
     # DEQ warm starts differ after a resume (the cache is not saved), which moves the result within the solver
     # tolerance; explicit networks must match to float rounding.
-    tol = 1e-6 if "explicit" in config else 1e-3
+    tol = 1e-6 if "explicit" in config.name else 1e-3
     for key in a:
         assert torch.allclose(a[key], b[key], rtol=tol, atol=tol), key
     opt_a = straight.trainer.optimizers[0].state_dict()["state"]
@@ -102,6 +108,15 @@ def test_resume_continues_exactly(tmp_path, config):
 
     steps = [s for s, _ in read_metrics_csv(run / "metrics.csv")["train/loss"]]
     assert steps == sorted(steps) and steps[0] == 0 and steps[-1] == resumed.trainer.global_step - 1
+
+
+def _nice_module(loss="ssm", deq=None, **net):
+    """A NICEModule built from its config (as the CLI does); ``deq``: DEQ options (a DEQ m-net)."""
+    net = {"dim": 8, "hidden": 12, "n_layers": 3, "n_couplings": 2, **net}
+    if deq is not None:
+        net |= {"m_net": "deq", "deq": {"class_path": "deqscore.deq.DEQ", "init_args": deq}}
+    return build_module({"class_path": "deqscore.lightning.NICEModule", "init_args": {
+        "net": {"class_path": "deqscore.models.NICE", "init_args": net}, "loss": loss}})
 
 
 def _sha(path):
@@ -143,7 +158,8 @@ def test_sample_script_and_checkpoint_family(tmp_path, root):
     assert (tmp_path / "out" / "samples.png").stat().st_size > 0
     # the samples are the flow's inverse of N(0, I): mapping them back gives latents of unit variance
     module = load_module(ckpt)
-    y = module.net(torch.logit(torch.from_numpy(arr).view(10, -1).double().clamp(1e-6, 1 - 1e-6)).float())
+    alpha = module.image_codec.alpha  # the run's logit_squeeze pipeline, undone by sample.py, redone here
+    y = module.net(torch.logit(alpha + (1 - 2 * alpha) * torch.from_numpy(arr).view(10, -1)))
     assert 0.5 < y.std().item() < 1.5
 
     # a checkpoint of another family is refused with a clear message
@@ -153,7 +169,7 @@ def test_sample_script_and_checkpoint_family(tmp_path, root):
     with pytest.raises(CheckpointFamilyError, match="ncsn"):
         load_module(tmp_path / "other.ckpt")
     with pytest.raises(CheckpointFamilyError, match="not 'nice'"):
-        NICEModule(hidden=12, n_layers=3).on_load_checkpoint(bad)
+        module.on_load_checkpoint(bad)
     with pytest.raises(FileNotFoundError):
         load_module(tmp_path / "missing.ckpt")
     (tmp_path / "junk.ckpt").write_bytes(b"not a checkpoint")
@@ -174,10 +190,10 @@ def test_fresh_fit_in_existing_run_dir_keeps_old_metrics(tmp_path):
 
 
 def test_ift_is_refused_for_score_losses_and_allowed_for_mle(tmp_path):
-    with pytest.raises(ValueError, match="backward='ift' gives wrong parameter gradients"):
-        NICEModule(hidden=12, n_layers=3, backward="ift", loss="ssm")
+    with pytest.raises(ConfigError, match="backward='ift' gives wrong parameter gradients for the loss SSM"):
+        _nice_module(loss="ssm", deq={"backward": "ift"})
     # MLE needs first derivatives only: IFT trains, and exact SM is still evaluated (through an unroll)
-    args = ["fit", *tiny_args(tmp_path), "--model.init_args.backward", "ift", "--model.init_args.loss", "mle",
+    args = ["fit", *tiny_args(tmp_path), f"{DEQ_KEY}.backward", "ift", "--model.init_args.loss", "mle",
             "--trainer.fast_dev_run", "1"]
     cli = main(args)
     assert torch.isfinite(cli.trainer.callback_metrics["val/exact_sm"])
@@ -185,7 +201,7 @@ def test_ift_is_refused_for_score_losses_and_allowed_for_mle(tmp_path):
 
 
 def test_training_improves_the_model_and_test_is_reproducible(tmp_path):
-    cli = _fit(tmp_path, "learn", 4, ["--model.init_args.lr", "3e-3", "--model.init_args.exact_sm_samples", "16"],
+    cli = _fit(tmp_path, "learn", 4, ["--optimizer.lr", "3e-3", "--model.init_args.exact_sm_samples", "16"],
                config="configs/nice/deq.yaml")
     from deqscore.lightning.callbacks import read_metrics_csv
 
@@ -210,8 +226,8 @@ def test_training_improves_the_model_and_test_is_reproducible(tmp_path):
 def test_nonconverging_deq_warns_and_logs(tmp_path):
     from deqscore.deq import DEQConvergenceWarning
 
-    args = ["fit", *tiny_args(tmp_path), "--model.init_args.max_iter", "1", "--model.init_args.tol", "1e-12",
-            "--model.init_args.warm_start", "false", "--trainer.fast_dev_run", "1"]
+    args = ["fit", *tiny_args(tmp_path), f"{DEQ_KEY}.max_iter", "1", f"{DEQ_KEY}.tol", "1e-12",
+            f"{DEQ_KEY}.warm_start", "false", "--trainer.fast_dev_run", "1"]
     with pytest.warns(DEQConvergenceWarning, match="did not converge in 1 iterations: abs residual"):
         cli = main(args)
     metrics = cli.trainer.callback_metrics
@@ -223,8 +239,8 @@ def test_exact_sm_metric_is_the_converged_models_exact_sm():
     import copy
 
     torch.manual_seed(0)
-    module = NICEModule(dim=8, n_couplings=2, hidden=6, tol=1e-12, max_iter=200, warm_start=True,
-                        phantom_steps=1, deq_scale=0.9).double()
+    module = _nice_module(dim=8, n_couplings=2, hidden=6, deq_scale=0.9,
+                          deq={"tol": 1e-12, "max_iter": 200, "warm_start": True, "phantom_steps": 1}).double()
     x = torch.randn(5, 8, dtype=torch.float64)
     module.net.log_prob(x)  # fills the warm-start cache with this very shape
     got = module.eval_metrics(x, "val", 0)["exact_sm"]

@@ -2,14 +2,20 @@ import pytest
 import torch
 from torch import nn
 
+from deqscore.errors import ConfigError
 from deqscore.losses import (
+    DSM,
+    SSM,
+    AnnealedLoss,
+    ScoreLoss,
     annealed_dsm,
     annealed_fd_ssm,
     annealed_ssm_vr,
+    build_loss,
     denoising_score_matching,
     exact_score_matching,
     geometric_sigmas,
-    make_score_loss,
+    loss_names,
     score_from_energy,
     score_from_log_prob,
     sliced_score_matching,
@@ -80,17 +86,20 @@ def test_ssm_vr_has_lower_variance_than_ssm(gaussian):
     assert var_vr < var_ssm
 
 
-@pytest.mark.parametrize("scaling", ["sigma2", "sigma4"])
-def test_dsm_gaussian_closed_form_expectation(gaussian, scaling):
+def _dsm_expectation(p, s_x, sigma, weighting):
+    # E 0.5||sigma s(x + sigma eps) + eps||^2 = 0.5 sigma^2 ||s(x)||^2 + 0.5 tr((I - sigma^2 P)^2), times sigma^(p-2)
+    m = torch.eye(D, dtype=torch.float64) - sigma**2 * p
+    sigma2 = 0.5 * sigma**2 * s_x.pow(2).sum() + 0.5 * torch.trace(m @ m)
+    return sigma2 * sigma ** {"none": -2, "sigma2": 0, "sigma4": 2}[weighting]
+
+
+@pytest.mark.parametrize("weighting", ["none", "sigma2", "sigma4"])
+def test_dsm_gaussian_closed_form_expectation(gaussian, weighting):
     p, mu, score = gaussian
     sigma = 0.3
     x = torch.randn(1, D, dtype=torch.float64).repeat(200000, 1)
-    loss = denoising_score_matching(score, x, sigma, scaling=scaling).mean()
-    # E 0.5||sigma s(x + sigma eps) + eps||^2 = 0.5 sigma^2 ||s(x)||^2 + 0.5 tr((I - sigma^2 P)^2)
-    m = torch.eye(D, dtype=torch.float64) - sigma**2 * p
-    expected = 0.5 * sigma**2 * score(x[:1]).pow(2).sum() + 0.5 * torch.trace(m @ m)
-    if scaling == "sigma4":
-        expected = expected * sigma**2
+    loss = denoising_score_matching(score, x, sigma, weighting=weighting).mean()
+    expected = _dsm_expectation(p, score(x[:1]), sigma, weighting)
     assert loss.item() == pytest.approx(expected.item(), rel=1e-2)
 
 
@@ -171,16 +180,66 @@ def test_bad_inputs_raise_clear_errors():
         exact_score_matching(lambda x: torch.zeros_like(x), x)
     with pytest.raises(ValueError, match="unknown projection"):
         sliced_score_matching(lambda x: -x, x, projection="uniform")
-    with pytest.raises(ValueError, match="unknown score-matching loss"):
-        make_score_loss("nce")
+    with pytest.raises(ValueError, match="unknown DSM weighting"):
+        denoising_score_matching(lambda x: -x, x, 0.1, weighting="sigma3")
 
 
-def test_make_score_loss_builds_each_loss(gaussian):
+def test_build_loss_by_name_or_object_and_clear_errors():
+    assert type(build_loss("ssm")) is SSM and build_loss("ssm").n_projections == 1
+    dsm = DSM(sigma=0.2, weighting="none")
+    assert build_loss(dsm) is dsm and repr(dsm) == "DSM(sigma=0.2, weighting='none')"
+    with pytest.raises(ConfigError, match="unknown model.loss 'nce'; accepted: 'exact', 'ssm'"):
+        build_loss("nce", ScoreLoss, key="model.loss")
+    with pytest.raises(ConfigError, match="unknown loss 'annealed_dsm'"):  # a name of another kind
+        build_loss("annealed_dsm", ScoreLoss)
+    with pytest.raises(ConfigError, match="a DSM does not fit here"):
+        build_loss(dsm, AnnealedLoss)
+    with pytest.raises(ConfigError, match="n_projections must be >= 1"):
+        SSM(n_projections=0)
+    with pytest.raises(ConfigError, match="unknown projection 'uniform'; accepted: 'rademacher'"):
+        SSM(projection="uniform")
+    with pytest.raises(ConfigError, match="unknown DSM weighting 'sigma3'"):
+        DSM(weighting="sigma3")
+    with pytest.raises(ConfigError, match="sigma must be positive"):
+        DSM(sigma=0.0)
+
+
+def _score_loss_reference(name, p, mu, x):
+    """(loss object, expected mean over x, relative tolerance) of every registered ScoreLoss on a Gaussian."""
+    exact = _exact_closed_form(p, mu, x[:1])[0]
+    sigma = 0.3
+    table = {
+        "exact": (build_loss("exact"), exact, 1e-10),
+        "ssm": (SSM(projection="gaussian"), exact, 3e-2),  # unbiased for exact SM
+        "ssm_vr": (build_loss("ssm_vr"), exact, 3e-2),
+        "dsm": (DSM(sigma=sigma, weighting="none"), _dsm_expectation(p, -(x[0] - mu) @ p, sigma, "none"), 2e-2),
+    }
+    if name not in table:
+        pytest.fail(f"loss {name!r} is registered but has no closed-form reference in this test: add one")
+    return table[name]
+
+
+@pytest.mark.parametrize("name", loss_names(ScoreLoss))
+def test_every_registered_score_loss_matches_its_gaussian_closed_form(gaussian, name):
     p, mu, score = gaussian
-    x = torch.randn(2, D, dtype=torch.float64)
-    assert torch.allclose(make_score_loss("exact")(score, x), _exact_closed_form(p, mu, x))
-    torch.manual_seed(0)
-    a = make_score_loss("ssm_vr", n_projections=3, projection="gaussian")(score, x)
-    torch.manual_seed(0)
-    b = sliced_score_matching(score, x, n_projections=3, projection="gaussian", variance_reduction=True)
-    assert torch.equal(a, b)
+    torch.manual_seed(1)
+    x = torch.randn(1, D, dtype=torch.float64).repeat(100000, 1)
+    loss, expected, rel = _score_loss_reference(name, p, mu, x)
+    got = loss(score, x).mean()
+    assert got.item() == pytest.approx(expected.item(), rel=rel, abs=rel * torch.trace(p).item())
+
+
+@pytest.mark.parametrize("name", loss_names(AnnealedLoss))
+def test_every_registered_annealed_loss_matches_the_functional_form(gaussian, name):
+    # the object's call is its function with the object's options, on the same random draws
+    p, _, _ = gaussian
+    sigmas = geometric_sigmas(1.0, 0.1, 3)
+    x = torch.randn(64, D, dtype=torch.float64)
+    fns = {"annealed_dsm": annealed_dsm, "annealed_ssm_vr": annealed_ssm_vr, "annealed_fd_ssm": annealed_fd_ssm}
+    if name not in fns:
+        pytest.fail(f"annealed loss {name!r} has no reference in this test: add one")
+    torch.manual_seed(2)
+    got = build_loss(name, AnnealedLoss)(_gauss_cond(p), x, sigmas)
+    torch.manual_seed(2)
+    assert torch.equal(got, fns[name](_gauss_cond(p), x, sigmas))
+    assert build_loss(name).input_derivatives == (1 if name == "annealed_ssm_vr" else 0)

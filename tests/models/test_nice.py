@@ -1,9 +1,11 @@
 import math
+from functools import partial
 
 import pytest
 import torch
 
 from deqscore.deq import DEQ
+from deqscore.errors import ConfigError
 from deqscore.losses import score_from_log_prob, sliced_score_matching
 from deqscore.models import NICE
 
@@ -12,7 +14,8 @@ VARIANTS = [("explicit", 2), ("explicit", 4), ("deq", 2), ("deq", 4)]
 
 def _flow(m_net, n_couplings, dim=8):
     torch.manual_seed(0)
-    flow = NICE(dim=dim, n_couplings=n_couplings, m_net=m_net, hidden=6, n_layers=3, tol=1e-12, max_iter=300).double()
+    flow = NICE(dim=dim, n_couplings=n_couplings, m_net=m_net, hidden=6, n_layers=3,
+                deq=partial(DEQ, tol=1e-12, max_iter=300)).double()
     with torch.no_grad():
         flow.log_scale.normal_(0, 0.3)
     return flow
@@ -51,7 +54,7 @@ def test_every_parameter_is_used_and_trained_by_ssm(m_net, n_couplings):
 
 
 def test_paper_sizes_parameter_counts():
-    # METHOD.md section 4.1: per coupling 3,788,392 (explicit, 5 layers of width 1000) and 2,787,392 (DEQ)
+    # docs/method.md section 4.1: per coupling 3,788,392 (explicit, 5 layers of width 1000) and 2,787,392 (DEQ)
     for m_net, per_coupling in (("explicit", 3_788_392), ("deq", 2_787_392)):
         flow = NICE(m_net=m_net, n_couplings=2)
         assert sum(p.numel() for p in flow.m_nets[0].parameters()) == per_coupling
@@ -78,7 +81,9 @@ def test_samples_follow_model_density_for_pure_scale_flow():
 
 
 def test_bad_config_raises():
-    with pytest.raises(ValueError, match="unknown m_net"):
+    with pytest.raises(ConfigError, match="unknown NICE m_net 'resnet'; accepted: 'explicit', 'deq'"):
         NICE(m_net="resnet")
-    with pytest.raises(ValueError, match="even"):
+    with pytest.raises(ConfigError, match="even"):
         NICE(dim=7)
+    with pytest.raises(ConfigError, match="n_couplings >= 0"):
+        NICE(n_couplings=-1)

@@ -2,13 +2,13 @@ import pytest
 import torch
 
 from deqscore.losses import exact_score_matching, score_from_log_prob
-from deqscore.losses.approx_backprop import (
+from deqscore.models.nice import NICE
+from deqscore.models.nice_losses import (
     curvature_propagation_backprop,
     curvature_propagation_score_matching,
     kingma_backprop,
     kingma_score_matching,
 )
-from deqscore.models.nice import NICE
 
 D = 6
 

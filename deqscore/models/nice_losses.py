@@ -1,12 +1,18 @@
-"""Approximate score matching for NICE with explicit m-nets: Kingma & LeCun (2010) and curvature propagation.
+"""NICE's own losses: maximum likelihood and approximate score matching by hand-written backprop.
+
+The configurable objectives :class:`MaximumLikelihood` (``mle``), :class:`KingmaSM` (``kingma``) and
+:class:`CurvaturePropagationSM` (``cp``) take the flow itself, ``loss(flow, x) -> [B]``, and are chosen in a
+NICE config like the score losses of :mod:`deqscore.losses`.
+
+Approximate score matching for NICE with explicit m-nets: Kingma & LeCun (2010) and curvature propagation.
 
 Both losses replace the second-order autograd of exact score matching by one hand-written backward pass
 through the flow that carries the score ``g1 = d log p / dx`` together with a Hessian-diagonal quantity:
 
 * :func:`kingma_score_matching` carries ``g2``, a deterministic approximation of ``diag H`` that drops every
-  off-diagonal Hessian term on the way back (METHOD.md section 3.5);
+  off-diagonal Hessian term on the way back (docs/method.md section 3.6);
 * :func:`curvature_propagation_score_matching` carries a complex rank-1 factor ``S = S_r + i S_i`` with
-  ``E[S_r**2 - S_i**2] = diag H`` exactly (Martens, Sutskever & Swersky 2012; METHOD.md section 3.6).
+  ``E[S_r**2 - S_i**2] = diag H`` exactly (Martens, Sutskever & Swersky 2012; docs/method.md section 3.6).
 
 Each returns the per-sample loss ``0.5 ||g1||^2 + sum_d diag_estimate_d`` of shape ``[B]``; it is
 differentiable in the flow's parameters, so ``loss.mean().backward()`` trains the flow. They work only on
@@ -36,10 +42,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .score_matching import prepare_input
+from ..errors import ConfigError
+from ..losses.objectives import Loss, register_loss
+from ..losses.score_matching import prepare_input
 
-if TYPE_CHECKING:  # only for type hints: keeps losses importable without the models package
-    from ..models.nice import NICE
+if TYPE_CHECKING:  # type hints only: nice.py imports this module
+    from .nice import NICE
 
 Tensor = torch.Tensor
 Extras = list[Tensor]
@@ -265,7 +273,7 @@ def curvature_propagation_score_matching(
     sample are averaged (``x`` is repeated, one draw per copy).
     """
     if n_samples < 1:
-        raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+        raise ConfigError(f"n_samples must be >= 1, got {n_samples}")
     b = x.shape[0]
     xr = x.repeat(n_samples, *[1] * (x.dim() - 1))
     g1, s_r, s_i = curvature_propagation_backprop(flow, xr, generator)
@@ -273,7 +281,65 @@ def curvature_propagation_score_matching(
     return loss.view(n_samples, b).mean(0)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# configurable objectives
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class NICEObjective(Loss):
+    """A loss of the flow itself: ``loss(flow, x) -> [B]``."""
+
+    #: works only on explicit (non-DEQ) m-nets
+    explicit_only: bool = False
+
+    def __call__(self, flow: NICE, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+
+@register_loss("mle")
+class MaximumLikelihood(NICEObjective):
+    """Negative log-likelihood ``-log p(x)`` (first-order: IFT backward is exact)."""
+
+    def __init__(self) -> None:
+        pass
+
+    def __call__(self, flow, x):
+        return -flow.log_prob(x)
+
+
+@register_loss("kingma")
+class KingmaSM(NICEObjective):
+    """Kingma & LeCun approximate score matching (explicit m-nets only)."""
+
+    explicit_only = True
+
+    def __init__(self) -> None:
+        pass
+
+    def __call__(self, flow, x):
+        return kingma_score_matching(flow, x)
+
+
+@register_loss("cp")
+class CurvaturePropagationSM(NICEObjective):
+    """Curvature-propagation score matching, unbiased for exact SM (explicit m-nets only)."""
+
+    explicit_only = True
+
+    def __init__(self, n_samples: int = 1) -> None:  # independent curvature draws per sample
+        if n_samples < 1:
+            raise ConfigError(f"cp n_samples must be >= 1, got {n_samples}")
+        self.n_samples = n_samples
+
+    def __call__(self, flow, x):
+        return curvature_propagation_score_matching(flow, x, self.n_samples)
+
+
 __all__ = [
+    "CurvaturePropagationSM",
+    "KingmaSM",
+    "MaximumLikelihood",
+    "NICEObjective",
     "curvature_propagation_backprop",
     "curvature_propagation_score_matching",
     "kingma_backprop",

@@ -1,0 +1,123 @@
+"""Dataset pieces shared by every image DataModule: the train/val split, in-memory and pre-processed datasets
+and the per-epoch shuffle sampler.
+
+Noise and order are functions of seeds only (never of global random state), so a resumed run, any number of
+DataLoader workers and any process see exactly the same data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from deqscore.data.transforms import DEFAULT_ALPHA, check_transform, preprocess
+
+__all__ = ["ArrayImageDataset", "EpochShuffleSampler", "PreprocessedImageDataset", "split_indices"]
+
+# Seed offsets of the dequantisation noise: seed = offset + index into the base (train or test) set, so every
+# item has its own draw and the three splits never share one.
+VAL_NOISE_SEED = 1_000_000
+TEST_NOISE_SEED = 2_000_000
+TRAIN_NOISE_SEED = 3_000_000  # + epoch * EPOCH_STRIDE + index
+EPOCH_STRIDE = 10_000_000
+
+
+def split_indices(n: int, val_fraction: float = 0.1, seed: int = 2019) -> tuple[np.ndarray, np.ndarray]:
+    """Train/val index split of ``range(n)`` as the reference code does it.
+
+    ``np.random.seed(seed); np.random.shuffle(indices)`` (reproduced with a private ``RandomState``, leaving
+    the global numpy state untouched); the first ``int(n * (1 - val_fraction))`` shuffled indices train, the
+    rest validate.
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must lie in [0, 1), got {val_fraction}")
+    indices = np.arange(n)
+    np.random.RandomState(seed).shuffle(indices)
+    n_train = int(n * (1.0 - val_fraction))
+    return indices[:n_train], indices[n_train:]
+
+
+class ArrayImageDataset(Dataset):
+    """In-memory ``(uint8 image tensor, int label)`` dataset over numpy arrays."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray) -> None:
+        if len(images) != len(labels):
+            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+        self.images = torch.from_numpy(np.ascontiguousarray(images))
+        self.labels = np.asarray(labels, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.images[index], int(self.labels[index])
+
+
+class PreprocessedImageDataset(Dataset):
+    """Items ``(x float32 [D], label)`` of ``base[indices[i]]`` after dequantisation and ``transform``.
+
+    Args:
+        base: dataset of ``(uint8 image tensor, int label)``.
+        indices: which items of ``base`` to expose, in order.
+        transform: one of :data:`deqscore.data.transforms.TRANSFORMS`.
+        alpha: clamp/squeeze margin.
+        noise_seed: None for fresh noise on every read; an int for deterministic noise from a generator
+            seeded with ``noise_seed + base_index`` (evaluation).
+        per_epoch: add ``epoch * 10^7`` to that seed, the epoch being set by :meth:`set_epoch` (training):
+            fresh noise every epoch, reproducible across resumes and DataLoader workers.
+    """
+
+    def __init__(
+        self,
+        base: Dataset,
+        indices: np.ndarray,
+        transform: str = "logit",
+        alpha: float = DEFAULT_ALPHA,
+        noise_seed: int | None = None,
+        per_epoch: bool = False,
+    ) -> None:
+        self.base = base
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.transform = check_transform(transform)
+        self.alpha = alpha
+        self.noise_seed = noise_seed
+        self.per_epoch = per_epoch
+        # shared memory, so persistent DataLoader workers see the epoch the main process sets
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+
+    def set_epoch(self, epoch: int) -> None:
+        self._epoch.fill_(epoch)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        base_index = int(self.indices[index])
+        image, label = self.base[base_index]
+        generator = None
+        if self.noise_seed is not None:
+            epoch_offset = int(self._epoch) * EPOCH_STRIDE if self.per_epoch else 0
+            generator = torch.Generator().manual_seed(self.noise_seed + epoch_offset + base_index)
+        x = preprocess(image.reshape(-1), self.transform, self.alpha, generator)
+        return x, int(label)
+
+
+class EpochShuffleSampler(torch.utils.data.Sampler[int]):
+    """Random permutation of ``range(n)`` drawn from ``seed + epoch``: reproducible per epoch, so resuming
+    mid-training repeats the order an uninterrupted run would use. Lightning calls :meth:`set_epoch`."""
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.n, generator=generator).tolist())
+
+    def __len__(self) -> int:
+        return self.n

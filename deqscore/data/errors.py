@@ -1,0 +1,9 @@
+"""Errors shared by the data loaders of every dataset (kept apart so that any loader can raise them)."""
+
+from __future__ import annotations
+
+__all__ = ["CorruptDataError"]
+
+
+class CorruptDataError(ValueError):
+    """A data file exists but cannot be decoded or has unexpected content; the message names the file."""

@@ -1,0 +1,112 @@
+"""Tests that follow the registries: every registered family's configs parse, build, train one step, save a
+checkpoint that rebuilds the module alone, and sample images through the data module's transform."""
+
+import pytest
+import torch
+import yaml
+from pytorch_lightning.callbacks import ModelCheckpoint
+
+from deqscore.data.transforms import ImageCodec
+from deqscore.deq import DEQ
+from deqscore.lightning import ScoreModule, family_registry, load_module
+from deqscore.lightning.cli import DeqscoreCLI, main
+
+from .conftest import CONFIGS, FAMILY_TINY, ROOT, family_of, tiny_args
+
+FAMILY_CONFIGS = [c for configs, _ in FAMILY_TINY.values() for c in configs]
+ids = lambda p: str(p.relative_to(ROOT / "configs"))  # noqa: E731
+
+
+def test_every_family_and_config_is_covered():
+    assert set(family_registry()) == set(FAMILY_TINY), "give every registered family its tiny overrides"
+    assert set(CONFIGS) == set(FAMILY_CONFIGS), "every config belongs to a family's list in conftest.py"
+
+
+@pytest.mark.parametrize("config", FAMILY_CONFIGS, ids=ids)
+def test_every_config_parses_and_instantiates(config, tmp_path):
+    cli = DeqscoreCLI(args=["--config", str(config), "--runs_root", str(tmp_path)], run=False)
+    model = cli.model
+    assert isinstance(model, family_registry()[family_of(config)])
+    raw = yaml.safe_load(config.read_text())["model"]["init_args"]["net"]["init_args"]
+    # a DEQ config really builds DEQ layers with the configured options; an explicit one none
+    deqs = [m for m in model.modules() if isinstance(m, DEQ)]
+    if raw.get("deq"):
+        assert deqs and all(getattr(d, k) == v for d in deqs for k, v in raw["deq"]["init_args"].items())
+    else:
+        assert not deqs
+    assert cli.trainer.validate_loop.inference_mode is False and cli.trainer.test_loop.inference_mode is False
+    assert str(cli.trainer.default_root_dir).startswith(str(tmp_path))
+    assert cli.datamodule is not None  # every config is complete on its own
+    assert any(isinstance(c, ModelCheckpoint) and c.save_last for c in cli.trainer.callbacks)
+    assert cli.datamodule.bits_per_dim_exact  # the exact (invertible) pipeline by default
+    optimizer = yaml.safe_load(config.read_text())["optimizer"]
+    configured = model.configure_optimizers()
+    opt = configured["optimizer"] if isinstance(configured, dict) else configured
+    assert type(opt).__name__ == optimizer["class_path"].rsplit(".", 1)[-1]
+    assert opt.defaults["lr"] == optimizer["init_args"]["lr"]
+    if config.name == "deq_reference.yaml":  # the reference code's settings (docs/method.md 2.5, 5)
+        deq = deqs[0]
+        assert (len(model.net.m_nets), deq.phantom_steps, deq.injection_prestep, deq.tol) == (2, 1, True, 2e-5)
+
+
+@pytest.mark.parametrize("config", FAMILY_CONFIGS, ids=ids)
+def test_print_config_shows_the_whole_resolved_tree(config, capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(config), "--print_config"])
+    printed = yaml.safe_load(capsys.readouterr().out)
+    net = printed["model"]["init_args"]["net"]
+    assert net["class_path"] and "dim" in net["init_args"]  # defaults resolved, not only what the file says
+    if net["init_args"].get("deq"):
+        assert {"solver", "tol", "phantom_steps", "ift_tol"} <= set(net["init_args"]["deq"]["init_args"])
+    assert "betas" in printed["optimizer"]["init_args"]
+
+
+@pytest.mark.parametrize("config", FAMILY_CONFIGS, ids=ids)
+def test_fast_dev_run_checkpoint_rebuilds_the_module_and_samples_images(config, tmp_path):
+    cli = main(["fit", *tiny_args(tmp_path, config, "f"), "--trainer.max_steps", "1", "--trainer.max_epochs", "1",
+                "--trainer.limit_val_batches", "1"])
+    assert torch.isfinite(cli.trainer.callback_metrics["train/loss"])
+    ckpt = tmp_path / "f" / "checkpoints" / "last.ckpt"
+    module = load_module(ckpt)  # the checkpoint alone
+    assert isinstance(module, ScoreModule) and type(module) is type(cli.model)
+    trained = cli.model.state_dict()
+    assert all(torch.equal(v.cpu(), trained[k].cpu()) for k, v in module.state_dict().items())
+    assert module.image_codec == cli.datamodule.codec
+    torch.manual_seed(0)
+    images = module.eval().sample_images(3)
+    assert images.shape == (3, *cli.datamodule.image_shape) and images.min() >= 0 and images.max() <= 1
+    torch.manual_seed(0)
+    assert torch.equal(images, cli.datamodule.to_images(module.sample(3)))
+
+
+@pytest.mark.parametrize("transform", ["unit", "logit", "logit_squeeze"])
+def test_sample_images_invert_the_data_transform(transform):
+    # a model whose samples are the model-space image of pixel value 0.25 must show 0.25, whatever the transform
+    module = ScoreModule()
+    codec = ImageCodec(transform, 1e-3, (1, 2, 2))
+    pixel = torch.full((5, 4), 0.25, dtype=torch.float64)
+    squeezed = 1e-3 + (1 - 2e-3) * pixel
+    model_space = {"unit": pixel, "logit": torch.logit(pixel), "logit_squeeze": torch.logit(squeezed)}[transform]
+    module.sample = lambda n: model_space[:n]
+    module.image_codec = codec
+    assert torch.allclose(module.sample_images(5), torch.full((5, 1, 2, 2), 0.25, dtype=torch.float64))
+    module.image_codec = None
+    with pytest.raises(ValueError, match="has no image codec"):
+        module.sample_images(5)
+
+
+def test_clamp_pipeline_logs_its_bits_per_dim_as_approximate(tmp_path):
+    cli = main(["fit", *tiny_args(tmp_path), "--data.init_args.transform", "logit", "--trainer.fast_dev_run", "1"])
+    metrics = cli.trainer.callback_metrics
+    assert "val/bits_per_dim_approx" in metrics and "val/bits_per_dim" not in metrics
+    cli = main(["fit", *tiny_args(tmp_path), "--trainer.fast_dev_run", "1"])
+    assert "val/bits_per_dim" in cli.trainer.callback_metrics
+
+
+def test_resolved_loss_options_are_logged(tmp_path):
+    main(["fit", *tiny_args(tmp_path, run_name="dsm"), "--model.init_args.loss", "deqscore.losses.DSM",
+          "--model.init_args.loss.weighting", "none", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0"])
+    hparams = yaml.safe_load((tmp_path / "dsm" / "hparams.yaml").read_text())
+    assert hparams["resolved_loss"] == "DSM(sigma=0.16, weighting='none')"
+    saved = yaml.safe_load((tmp_path / "dsm" / "config.yaml").read_text())["model"]["init_args"]["loss"]
+    assert saved["init_args"] == {"sigma": 0.16, "weighting": "none"}
