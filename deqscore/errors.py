@@ -6,6 +6,8 @@ as one line and exit with status 2; any other exception is a bug and keeps its t
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Iterable
 
 
@@ -17,3 +19,30 @@ def choice_error(key: str, value: object, accepted: Iterable[object]) -> ConfigE
     """``ConfigError`` for ``key=value`` outside ``accepted``, listing the accepted values."""
     names = ", ".join(repr(a) for a in accepted)
     return ConfigError(f"unknown {key} {value!r}; accepted: {names}")
+
+
+def check_real(
+    key: str, value: object, high: float = math.inf, high_closed: bool = True, error: type[ValueError] = ConfigError
+) -> None:
+    """Raise ``error`` naming ``key`` unless ``value`` is a finite real number in ``(0, high]`` (``(0, high)`` with
+    ``high_closed=False``). NaN and Inf are refused explicitly: ``value <= 0`` is False for NaN."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise error(f"{key} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise error(f"{key} must be finite, got {value}")
+    if value <= 0:
+        raise error(f"{key} must be positive, got {value}")
+    if value > high or (value == high and not high_closed):
+        interval = f"(0, {high:g}]" if high_closed else f"(0, {high:g})"
+        raise error(f"{key} must lie in {interval}, got {value}")
+
+
+def check_count(
+    key: str, value: object, low: int = 1, why: str = "", error: type[ValueError] = ConfigError
+) -> None:
+    """Raise ``error`` naming ``key`` unless ``value`` is an int >= ``low`` (a bool or float is not); ``why`` is
+    appended to the message of an out-of-range value."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise error(f"{key} must be an int >= {low}, got {value!r}")
+    if value < low:
+        raise error(f"{key} must be >= {low}, got {value}{why}")

@@ -8,7 +8,7 @@ Layout: :mod:`.base` (``ImageDataModule``), :mod:`.datasets` (split, datasets, s
 
 from deqscore.data.base import ImageDataModule
 from deqscore.data.datasets import ArrayImageDataset, EpochShuffleSampler, PreprocessedImageDataset, split_indices
-from deqscore.data.errors import CorruptDataError
+from deqscore.data.errors import CorruptDataError, DataNotFoundError
 from deqscore.data.lmdb_cache import LMDBImageDataset, build_lmdb_cache, lmdb_cache_info
 from deqscore.data.mnist import MNISTDataModule, clear_mnist_cache, find_pureml_mnist, load_mnist
 from deqscore.data.transforms import (
@@ -33,6 +33,7 @@ __all__ = [
     "TRANSFORMS",
     "ArrayImageDataset",
     "CorruptDataError",
+    "DataNotFoundError",
     "EpochShuffleSampler",
     "ImageCodec",
     "ImageDataModule",

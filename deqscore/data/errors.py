@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-__all__ = ["CorruptDataError"]
+__all__ = ["CorruptDataError", "DataNotFoundError"]
 
 
 class CorruptDataError(ValueError):
     """A data file exists but cannot be decoded or has unexpected content; the message names the file."""
+
+
+class DataNotFoundError(FileNotFoundError):
+    """A data set is not where it is looked for (and could not be downloaded); the message says what to put where."""

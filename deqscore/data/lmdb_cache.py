@@ -1,10 +1,33 @@
-"""An LMDB cache of (image, label) pairs that any image DataModule can use.
+"""An LMDB cache of (image, label) pairs that any image DataModule can use, and that checks itself.
 
-Layout of a cache (an LMDB directory): key ``b"<index>"`` (ascii) -> raw image bytes followed by the label
-as a little-endian int64; meta keys ``__len__``, ``__shape__`` (per-image shape, JSON), ``__dtype__`` (numpy
-dtype string), ``__sha1__`` (of images, labels, shape and dtype) and ``__complete__``, written last, in a
-separate transaction. A cache is built in a temporary directory and moved into place, so a complete-looking
-cache was written in full.
+Layout of a cache (an LMDB directory), format ``deqscore-lmdb-2``: key ``b"<index>"`` (ascii) -> raw image bytes,
+the label as a little-endian int64, then a little-endian uint32 CRC-32 of the key and those bytes; meta keys
+``__len__``, ``__shape__`` (per-image shape, JSON), ``__dtype__`` (numpy dtype string), ``__sha1__`` (of images,
+labels, shape and dtype), ``__format__`` and ``__complete__``, written last, in a separate transaction. A cache is
+built in a temporary directory and moved into place, so a complete-looking cache was written in full.
+
+LMDB checksums nothing and maps its data file into memory, so a page read past the end of a truncated file kills
+the process with SIGBUS. The cache therefore checks itself:
+
+* **Truncation**, each time an environment is opened and in :func:`lmdb_cache_info`, before any data page is
+  touched: LMDB's meta page (read with ``pread`` when the environment opens, and inside the first two pages)
+  records ``last_pgno``, the highest page in use; every page the B-tree can reference is at or below it, so
+  ``data.mdb`` must hold at least ``(last_pgno + 1) * page size`` bytes. The builder pads the file to that size,
+  so a cache it wrote always passes. A file shorter than two pages is refused by LMDB itself. (A file truncated
+  *while* a process has it open is not caught: that process can still die of SIGBUS.)
+* **Flipped bytes**, on every read: the CRC-32 of the record (key included) is recomputed and compared. Measured
+  on 28x28 uint8 MNIST items (shared 2-core 2.8 GHz Xeon, zlib 1.2.13): the check takes 1.4-1.9 us per item
+  (crc32 runs at ~0.8 GB/s), i.e. ``__getitem__`` goes from 15-20 us to 17-23 us, about +10%.
+* **The whole cache**, on request: ``lmdb_cache_info(path, verify=True)`` reads every item, checks its CRC and
+  recomputes the SHA-1: 0.33-0.44 s for the 60 000 MNIST training images (page cache warm; the cheap check
+  without ``verify`` takes under 1 ms). :func:`build_lmdb_cache` does it before keeping an existing cache of the
+  same data, or refusing to replace one of other data.
+
+Damage to LMDB's own B-tree pages is reported by LMDB (``lmdb.CorruptedError``, ``PageNotFoundError``, ...) and
+re-raised as :class:`~deqscore.data.errors.CorruptDataError` naming the cache, although LMDB does not catch every
+kind of such damage. Every error names the cache; the fix for a damaged one is to delete its directory and build
+it again. :func:`lmdb_cache_info` reports a damaged, truncated, interrupted or older-format cache as not
+``complete`` (with a ``problem``), and :func:`build_lmdb_cache` rebuilds it.
 
 >>> import numpy as np, tempfile
 >>> images = np.arange(2 * 28 * 28, dtype=np.uint8).reshape(2, 28, 28)
@@ -16,12 +39,15 @@ cache was written in full.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
 import shutil
 import warnings
+import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +55,8 @@ import lmdb
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+
+from deqscore.data.errors import CorruptDataError
 
 __all__ = ["LMDBImageDataset", "build_lmdb_cache", "lmdb_cache_info"]
 
@@ -38,9 +66,25 @@ _DTYPE = b"__dtype__"
 _SHA1 = b"__sha1__"
 _COMPLETE = b"__complete__"
 _FORMAT = b"__format__"
-_FORMAT_VERSION = b"deqscore-lmdb-1"
+_META_KEYS = (_LEN, _SHAPE, _DTYPE, _SHA1, _COMPLETE, _FORMAT)
+_FORMAT_VERSION = b"deqscore-lmdb-2"
 _LABEL_DTYPE = np.dtype("<i8")
+_CRC_BYTES = 4
+_CRC_RESIDUE = 0x2144DF1C  # zlib.crc32(data + zlib.crc32(data).to_bytes(4, "little")) for any data
 _WRITE_BATCH = 4096
+
+# LMDB errors meaning that the files are damaged or are no LMDB environment, so that rebuilding helps; other LMDB
+# errors come from the system (permissions, memory, disk) and keep their type, with the path added.
+_DAMAGE_ERRORS = (
+    lmdb.CorruptedError,
+    lmdb.PageNotFoundError,
+    lmdb.InvalidError,
+    lmdb.VersionMismatchError,
+    lmdb.IncompatibleError,
+    lmdb.PanicError,
+    lmdb.ProblemError,
+    lmdb.BadChecksumError,
+)
 
 # Read-only environments opened by this module, keyed by (pid, real path). LMDB forbids opening the same
 # environment twice in one process and using an environment inherited through fork(); keying by pid gives each
@@ -51,14 +95,81 @@ _WRITE_BATCH = 4096
 _ENVS: dict[tuple[int, str], lmdb.Environment] = {}
 
 
+# -- errors ------------------------------------------------------------------------------------------------------
+
+
+def _fix_hint(path: Path) -> str:
+    return (
+        f"delete {path} and build it again with build_lmdb_cache() (ImageDataModule.prepare_data() rebuilds "
+        "an unusable cache)"
+    )
+
+
+def _corruption(path: Path, problem: str) -> CorruptDataError:
+    """A CorruptDataError for the cache at ``path``; ``.problem`` holds the diagnosis without the fix."""
+    error = CorruptDataError(f"{problem}; {_fix_hint(path)}")
+    error.problem = problem  # lmdb_cache_info reports it; build_lmdb_cache applies the fix itself
+    return error
+
+
+def _corrupt(path: Path, what: str) -> CorruptDataError:
+    return _corruption(path, f"the LMDB cache at {path} {what}")
+
+
+def _problem_of(error: CorruptDataError) -> str:
+    return getattr(error, "problem", str(error))
+
+
+def _wrap_lmdb_error(path: Path, exc: lmdb.Error) -> Exception:
+    """``exc`` with the cache's path in its message: a CorruptDataError for damage, the same type otherwise."""
+    what = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, _DAMAGE_ERRORS):
+        return _corruption(path, f"cannot read the LMDB cache at {path}, it is damaged ({what})")
+    return type(exc)(f"cannot read the LMDB cache at {path}: {what}")
+
+
+def _missing_message(path: Path) -> str:
+    return f"no LMDB cache at {path} (expected a directory holding data.mdb); build it with build_lmdb_cache()"
+
+
+# -- environments ------------------------------------------------------------------------------------------------
+
+
 def _key(path: Path) -> tuple[int, str]:
     return os.getpid(), os.path.realpath(path)
 
 
 def _open_readonly(path: Path) -> lmdb.Environment:
-    return lmdb.open(
-        str(path), readonly=True, lock=False, readahead=False, meminit=False, subdir=True, max_readers=512
-    )
+    return lmdb.open(str(path), readonly=True, lock=False, readahead=False, meminit=False, subdir=True, max_readers=512)
+
+
+def _bytes_in_use(env: lmdb.Environment) -> int:
+    """Bytes of the data file up to the end of the last page LMDB uses, from the meta page alone."""
+    return (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+
+
+def _truncation(path: Path, env: lmdb.Environment) -> str | None:
+    """Why reading ``env`` would hit the end of its file (SIGBUS), or None if it cannot."""
+    size = os.stat(path / "data.mdb").st_size
+    needed = _bytes_in_use(env)
+    if size < needed:
+        return f"is truncated: data.mdb holds {size} bytes but LMDB uses {needed}"
+    return None
+
+
+def _open_checked(path: Path) -> lmdb.Environment:
+    """Open ``path`` read-only, refusing a damaged or truncated environment before any data page is read."""
+    if os.stat(path / "data.mdb").st_size == 0:  # LMDB reports an empty file as EBADF, which says nothing
+        raise _corrupt(path, "is empty (data.mdb holds 0 bytes)")
+    try:
+        env = _open_readonly(path)
+    except lmdb.Error as exc:
+        raise _wrap_lmdb_error(path, exc) from exc
+    problem = _truncation(path, env)
+    if problem is not None:
+        env.close()
+        raise _corrupt(path, problem)
+    return env
 
 
 def _drop_inherited(realpath: str) -> None:
@@ -69,12 +180,12 @@ def _drop_inherited(realpath: str) -> None:
 
 
 def _shared_env(path: Path) -> lmdb.Environment:
-    """The read-only environment of ``path`` for this process, opened on first use."""
+    """The read-only environment of ``path`` for this process, opened (and checked) on first use."""
     key = _key(path)
     env = _ENVS.get(key)
     if env is None:
         _drop_inherited(key[1])
-        env = _ENVS[key] = _open_readonly(path)
+        env = _ENVS[key] = _open_checked(path)
     return env
 
 
@@ -84,80 +195,193 @@ def _close_shared_env(path: Path) -> None:
         env.close()
 
 
-def _missing_message(path: Path) -> str:
-    return (
-        f"no LMDB cache at {path} (expected a directory holding data.mdb); build it with build_lmdb_cache()"
-    )
+@contextlib.contextmanager
+def _reading(path: Path) -> Iterator[lmdb.Environment]:
+    """This process's environment of ``path`` (checked again) or a short-lived one; LMDB errors name ``path``."""
+    key = _key(path)
+    env = _ENVS.get(key)
+    short_lived = env is None
+    if short_lived:
+        _drop_inherited(key[1])
+        env = _open_checked(path)
+    else:
+        problem = _truncation(path, env)
+        if problem is not None:
+            _close_shared_env(path)  # its datasets notice and reopen, which fails cleanly
+            raise _corrupt(path, problem)
+    try:
+        yield env
+    except lmdb.Error as exc:
+        raise _wrap_lmdb_error(path, exc) from exc
+    finally:
+        if short_lived:
+            env.close()
 
 
-def lmdb_cache_info(path: str | Path) -> dict[str, Any]:
-    """Read the meta keys of the cache at ``path``.
+# -- records -----------------------------------------------------------------------------------------------------
+
+
+def _record(key: bytes, image: np.ndarray, label: np.ndarray) -> bytes:
+    payload = image.tobytes() + label.tobytes()
+    return payload + zlib.crc32(payload, zlib.crc32(key)).to_bytes(_CRC_BYTES, "little")
+
+
+def _check_record(path: Path, index: int, key: bytes, value: Any, image_bytes: int) -> None:
+    """Raise CorruptDataError unless ``value`` is an intact record of item ``index`` (stored under ``key``)."""
+    expected = image_bytes + _LABEL_DTYPE.itemsize + _CRC_BYTES
+    if value is None:
+        raise _corrupt(path, f"has no item {index} (its key is missing)")
+    if len(value) != expected:
+        raise _corrupt(path, f"has an item {index} of {len(value)} bytes instead of {expected}")
+    # The CRC-32 of data followed by its own little-endian CRC-32 is a constant: one pass over the record, no
+    # slicing. The key is in the CRC so that a record found under another item's key is caught too.
+    if zlib.crc32(value, zlib.crc32(key)) != _CRC_RESIDUE:
+        raise _corrupt(path, f"has a damaged item {index} (its CRC-32 does not match its bytes)")
+
+
+def _digest_start(shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    h = hashlib.sha1()
+    h.update(repr((tuple(shape), dtype.str)).encode())
+    return h
+
+
+def _flat_bytes(array: np.ndarray) -> np.ndarray:
+    # a flat uint8 view hashes like memoryview(...).cast("B") but also works for empty arrays
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+def _digest(images: np.ndarray, labels: np.ndarray) -> str:
+    h = _digest_start(images.shape, images.dtype)
+    h.update(_flat_bytes(images))
+    h.update(_flat_bytes(labels.astype(_LABEL_DTYPE)))
+    return h.hexdigest()
+
+
+# -- meta data and verification -----------------------------------------------------------------------------------
+
+
+def _parse_meta(path: Path, raw: dict[bytes, bytes | None]) -> dict[str, Any]:
+    """The info dict of the meta values ``raw``, with ``complete`` and ``problem`` filled in."""
+    info: dict[str, Any] = {"len": None, "shape": None, "dtype": None, "sha1": None}
+    fmt = raw[_FORMAT].decode("ascii", "replace") if raw[_FORMAT] is not None else None
+    problem = None
+    try:
+        if raw[_LEN] is not None:
+            info["len"] = int(raw[_LEN])
+        if raw[_SHAPE] is not None:
+            info["shape"] = tuple(int(d) for d in json.loads(raw[_SHAPE]))
+        if raw[_DTYPE] is not None:
+            info["dtype"] = np.dtype(raw[_DTYPE].decode("ascii"))
+        if raw[_SHA1] is not None:
+            info["sha1"] = raw[_SHA1].decode("ascii")
+    except (ValueError, TypeError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        problem = f"the LMDB cache at {path} has corrupt meta data ({type(exc).__name__}: {exc})"
+    if raw[_COMPLETE] != b"1" or (problem is None and any(v is None for v in info.values())):
+        problem = f"the LMDB cache at {path} is incomplete (its build was interrupted)"
+    elif problem is None and raw[_FORMAT] != _FORMAT_VERSION:
+        problem = (
+            f"the LMDB cache at {path} was written in format {fmt!r}, but this version of deqscore reads "
+            f"{_FORMAT_VERSION.decode()!r} only"
+        )
+    return {**info, "format": fmt, "complete": problem is None, "problem": problem}
+
+
+def _verify_items(path: Path, env: lmdb.Environment, info: dict[str, Any]) -> None:
+    """Check the CRC of every item and the SHA-1 of the whole content; raises CorruptDataError."""
+    n, shape, dtype = info["len"], info["shape"], info["dtype"]
+    image_bytes = math.prod(shape) * dtype.itemsize
+    h = _digest_start((n, *shape), dtype)
+    labels = bytearray()  # the SHA-1 covers all images, then all labels
+    with env.begin(buffers=True) as txn:  # buffers: no copy of each record
+        for index in range(n):
+            key = str(index).encode("ascii")
+            value = txn.get(key)
+            _check_record(path, index, key, value, image_bytes)
+            h.update(value[:image_bytes])
+            labels += value[image_bytes:-_CRC_BYTES]
+    h.update(labels)
+    if h.hexdigest() != info["sha1"]:
+        raise _corrupt(path, f"does not match its SHA-1 ({info['sha1']} stored, {h.hexdigest()} computed)")
+
+
+def lmdb_cache_info(path: str | Path, *, verify: bool = False) -> dict[str, Any]:
+    """Read the meta keys of the cache at ``path`` and check that it can be read safely.
+
+    Args:
+        path: cache directory.
+        verify: also read every item, checking its CRC-32 and the SHA-1 of the whole content (0.3-0.4 s for
+            the 60 000 MNIST training images).
 
     Returns:
-        ``{"len": int, "shape": tuple, "dtype": np.dtype, "sha1": str, "complete": bool}``; ``complete`` is
-        False for a cache whose build was interrupted.
+        ``{"len": int, "shape": tuple, "dtype": np.dtype, "sha1": str, "format": str, "complete": bool,
+        "problem": str | None}``. ``complete`` is True only for a cache that can be used: False for an
+        interrupted build, an older format, a truncated or damaged file (if the meta data cannot be read at all,
+        the other values are None) or, with ``verify``, a damaged item; ``problem`` then says what is wrong and
+        names ``path``.
 
     Raises:
         FileNotFoundError: ``path`` holds no LMDB environment.
-        ValueError: ``path`` is an LMDB environment whose meta data cannot be read (not a cache of this
-            format).
+        lmdb.Error: the files cannot be read for a reason other than damage (permissions, ...); names ``path``.
     """
     path = Path(path)
     if not (path / "data.mdb").is_file():
         raise FileNotFoundError(_missing_message(path))
-    key = _key(path)
-    env = _ENVS.get(key)
-    short_lived = env is None
     try:
-        if short_lived:
-            _drop_inherited(key[1])
-            env = _open_readonly(path)
-        with env.begin() as txn:
-            raw = {k: txn.get(k) for k in (_LEN, _SHAPE, _DTYPE, _SHA1, _COMPLETE, _FORMAT)}
-    except lmdb.Error as exc:
-        raise ValueError(f"cannot read the LMDB cache at {path}: {type(exc).__name__}: {exc}") from exc
-    finally:
-        if short_lived and env is not None:
-            env.close()
-    complete = raw[_COMPLETE] == b"1" and raw[_FORMAT] == _FORMAT_VERSION
-    try:
-        info = {
-            "len": int(raw[_LEN]) if raw[_LEN] is not None else None,
-            "shape": tuple(json.loads(raw[_SHAPE])) if raw[_SHAPE] is not None else None,
-            "dtype": np.dtype(raw[_DTYPE].decode("ascii")) if raw[_DTYPE] is not None else None,
-            "sha1": raw[_SHA1].decode("ascii") if raw[_SHA1] is not None else None,
-        }
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"corrupt meta data in the LMDB cache at {path}: {exc}") from exc
-    info["complete"] = complete and all(v is not None for v in info.values())
+        with _reading(path) as env, env.begin() as txn:
+            raw = {k: txn.get(k) for k in _META_KEYS}
+    except CorruptDataError as exc:
+        unknown = dict.fromkeys(("len", "shape", "dtype", "sha1", "format"))
+        return {**unknown, "complete": False, "problem": _problem_of(exc)}
+    info = _parse_meta(path, raw)
+    if verify and info["complete"]:
+        try:
+            with _reading(path) as env:
+                _verify_items(path, env, info)
+        except CorruptDataError as exc:
+            info.update(complete=False, problem=_problem_of(exc))
     return info
 
 
-def _digest(images: np.ndarray, labels: np.ndarray) -> str:
-    h = hashlib.sha1()
-    h.update(repr((images.shape, images.dtype.str)).encode())
-    h.update(memoryview(np.ascontiguousarray(images)).cast("B"))
-    h.update(memoryview(np.ascontiguousarray(labels.astype(_LABEL_DTYPE))).cast("B"))
-    return h.hexdigest()
+# -- building ----------------------------------------------------------------------------------------------------
+
+
+def _records(images: np.ndarray, labels: np.ndarray, start: int, stop: int) -> list[tuple[bytes, bytes]]:
+    keys = [str(i).encode("ascii") for i in range(start, stop)]
+    return [(k, _record(k, images[i], labels[i : i + 1])) for k, i in zip(keys, range(start, stop), strict=True)]
+
+
+def _put_with_growth(env: lmdb.Environment, items: list[tuple[bytes, bytes]], map_size: int) -> int:
+    """Write ``items`` in one transaction, doubling the map while it is full; returns the map size."""
+    while True:
+        try:
+            with env.begin(write=True) as txn:
+                for k, v in items:
+                    txn.put(k, v)
+            return map_size
+        except lmdb.MapFullError:
+            map_size *= 2
+            env.set_mapsize(map_size)  # the aborted transaction is written again
+
+
+def _pad_to_pages_in_use(path: Path) -> None:
+    """Make data.mdb at least as long as LMDB's pages in use, the criterion readers check against truncation."""
+    env = _open_readonly(path)
+    try:
+        needed = _bytes_in_use(env)
+    finally:
+        env.close()
+    # LMDB writes every page it hands out, except one freed again in the same transaction: such a page is in the
+    # free list, never read, so zeros in its place are harmless
+    if os.stat(path / "data.mdb").st_size < needed:
+        os.truncate(path / "data.mdb", needed)
 
 
 def _write(path: Path, images: np.ndarray, labels: np.ndarray, sha1: str, map_size: int) -> None:
     n = images.shape[0]
     env = lmdb.open(str(path), map_size=map_size, subdir=True, meminit=False, map_async=True)
     try:
-        start = 0
-        while start < n:
-            stop = min(start + _WRITE_BATCH, n)
-            try:
-                with env.begin(write=True) as txn:
-                    for i in range(start, stop):
-                        value = images[i].tobytes() + labels[i : i + 1].tobytes()
-                        txn.put(str(i).encode("ascii"), value)
-            except lmdb.MapFullError:
-                map_size *= 2
-                env.set_mapsize(map_size)
-                continue  # the aborted batch is written again
-            start = stop
+        for start in range(0, n, _WRITE_BATCH):
+            map_size = _put_with_growth(env, _records(images, labels, start, min(start + _WRITE_BATCH, n)), map_size)
         meta = {
             _LEN: str(n).encode("ascii"),
             _SHAPE: json.dumps(list(images.shape[1:])).encode("ascii"),
@@ -165,20 +389,59 @@ def _write(path: Path, images: np.ndarray, labels: np.ndarray, sha1: str, map_si
             _SHA1: sha1.encode("ascii"),
             _FORMAT: _FORMAT_VERSION,
         }
-        while True:
-            try:
-                with env.begin(write=True) as txn:
-                    for k, v in meta.items():
-                        txn.put(k, v)
-                break
-            except lmdb.MapFullError:
-                map_size *= 2
-                env.set_mapsize(map_size)
-        with env.begin(write=True) as txn:  # the completion marker goes last, on its own
-            txn.put(_COMPLETE, b"1")
+        map_size = _put_with_growth(env, list(meta.items()), map_size)
+        _put_with_growth(env, [(_COMPLETE, b"1")], map_size)  # the completion marker goes last, on its own
         env.sync(True)
     finally:
         env.close()
+    _pad_to_pages_in_use(path)
+
+
+def _existing_info(path: Path) -> dict[str, Any]:
+    try:
+        return lmdb_cache_info(path)
+    except FileNotFoundError as exc:  # a file or an empty directory in the way
+        return {"complete": False, "problem": str(exc)}
+
+
+def _same_data(info: dict[str, Any], images: np.ndarray, sha1: str) -> bool:
+    return (
+        info["len"] == images.shape[0]
+        and info["shape"] == images.shape[1:]
+        and info["dtype"] == images.dtype
+        and info["sha1"] == sha1
+    )
+
+
+def _needs_build(path: Path, images: np.ndarray, sha1: str, overwrite: bool) -> bool:
+    """Whether to (re)build the cache at ``path``; raises if it holds other data and ``overwrite`` is False."""
+    if not path.exists():
+        return True
+    info = _existing_info(path)
+    if info["complete"] and overwrite and not _same_data(info, images, sha1):
+        return True
+    if info["complete"]:
+        # about to keep it, or to refuse to replace it: check every item (damaged meta data can look like other data)
+        info = lmdb_cache_info(path, verify=True)
+    if not info["complete"]:
+        warnings.warn(f"rebuilding the unusable LMDB cache at {path}: {info['problem']}", stacklevel=3)
+        return True
+    if _same_data(info, images, sha1):
+        return False
+    raise ValueError(
+        f"{path} holds a complete LMDB cache of different data ({info['len']} items of shape "
+        f"{info['shape']}, {info['dtype']}; requested {images.shape[0]} of {images.shape[1:]}, "
+        f"{images.dtype}). Delete it or pass overwrite=True."
+    )
+
+
+def _default_map_size(images: np.ndarray) -> int:
+    item_bytes = math.prod(images.shape[1:]) * images.dtype.itemsize + _LABEL_DTYPE.itemsize + _CRC_BYTES
+    # ~2x the payload plus page overhead; values over ~2 KiB take whole overflow pages
+    map_size = max(1 << 24, 2 * images.shape[0] * (item_bytes + 64) + (1 << 22))
+    if item_bytes > 2000:
+        map_size += images.shape[0] * 4096
+    return map_size
 
 
 def build_lmdb_cache(
@@ -191,9 +454,11 @@ def build_lmdb_cache(
 ) -> Path:
     """Write ``images`` and ``labels`` into an LMDB cache at ``path`` (a directory), once.
 
-    If a complete cache of the same data (same length, shape, dtype and SHA-1) is already there, nothing is
-    written. An incomplete or unreadable cache (an interrupted build) is rebuilt with a warning. A complete
-    cache of *different* data raises, unless ``overwrite`` is True.
+    If a complete cache of the same data (same length, shape, dtype and SHA-1) is already there, it is verified
+    (every item's CRC and the SHA-1, see :func:`lmdb_cache_info`) and, if intact, kept: nothing is written. An
+    unusable cache (interrupted build, truncated or damaged file, older format) is rebuilt with a warning. A
+    complete cache of *different* data is verified too (damaged meta data can look like other data) and, if
+    intact, raises, unless ``overwrite`` is True (then it is replaced without being read).
 
     Args:
         images: array ``[N, ...]`` (uint8 for images; any fixed-size dtype works).
@@ -219,42 +484,15 @@ def build_lmdb_cache(
         raise ValueError(f"labels must be integers, got {labels.dtype}")
     labels = labels.astype(_LABEL_DTYPE)
     sha1 = _digest(images, labels)
+    if not _needs_build(path, images, sha1, overwrite):
+        return path
 
-    if path.exists():
-        try:
-            info = lmdb_cache_info(path)
-        except (FileNotFoundError, ValueError) as exc:
-            info = {"complete": False, "error": str(exc)}
-        if info["complete"]:
-            same = (
-                info["len"] == images.shape[0]
-                and info["shape"] == images.shape[1:]
-                and info["dtype"] == images.dtype
-                and info["sha1"] == sha1
-            )
-            if same:
-                return path
-            if not overwrite:
-                raise ValueError(
-                    f"{path} holds a complete LMDB cache of different data ({info['len']} items of shape "
-                    f"{info['shape']}, {info['dtype']}; requested {images.shape[0]} of {images.shape[1:]}, "
-                    f"{images.dtype}). Delete it or pass overwrite=True."
-                )
-        else:
-            warnings.warn(f"rebuilding the incomplete or unreadable LMDB cache at {path}", stacklevel=2)
-
-    item_bytes = math.prod(images.shape[1:]) * images.dtype.itemsize + _LABEL_DTYPE.itemsize
-    if map_size is None:
-        # ~2x the payload plus page overhead; values over ~2 KiB take whole overflow pages
-        map_size = max(1 << 24, 2 * images.shape[0] * (item_bytes + 64) + (1 << 22))
-        if item_bytes > 2000:
-            map_size += images.shape[0] * 4096
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
     try:
-        _write(tmp, images, labels, sha1, map_size)
+        _write(tmp, images, labels, sha1, map_size or _default_map_size(images))
         _close_shared_env(path)
         if path.is_dir():
             shutil.rmtree(path)
@@ -267,28 +505,31 @@ def build_lmdb_cache(
     return path
 
 
+# -- reading -----------------------------------------------------------------------------------------------------
+
+
 class LMDBImageDataset(Dataset):
     """Map-style dataset over a cache written by :func:`build_lmdb_cache`; items are ``(image, label)``.
 
     ``image`` is a tensor of the stored dtype and per-image shape (uint8 ``[28, 28]`` for MNIST), ``label`` an
     int. The LMDB environment is opened lazily, read-only and without locking, on the first ``__getitem__`` of
     each process (the pid is recorded; a forked DataLoader worker opens its own), and is shared by all
-    datasets over the same path in that process. Length and shape are read at construction through a
+    datasets over the same path in that process; each opening first checks that the data file is not truncated.
+    Every item's CRC-32 is checked when it is read. Length and shape are read at construction through a
     short-lived environment, so ``len()`` never opens one. Instances pickle without their environment.
 
     Raises:
         FileNotFoundError: no cache at ``path``.
-        ValueError: the cache is incomplete (interrupted build) or unreadable.
+        CorruptDataError: (a ValueError) the cache is incomplete (interrupted build), truncated, damaged or of an
+            older format; at construction, or from ``__getitem__`` for a damaged item. The message names the
+            cache and says how to rebuild it.
     """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         info = lmdb_cache_info(self.path)
         if not info["complete"]:
-            raise ValueError(
-                f"the LMDB cache at {self.path} is incomplete (its build was interrupted); rebuild it with "
-                "build_lmdb_cache()"
-            )
+            raise CorruptDataError(f"{info['problem']}; {_fix_hint(self.path)}")
         self._len: int = info["len"]
         self.image_shape: tuple[int, ...] = tuple(info["shape"])
         self.dtype: np.dtype = info["dtype"]
@@ -315,15 +556,16 @@ class LMDBImageDataset(Dataset):
             index += self._len
         if not 0 <= index < self._len:
             raise IndexError(f"index {index} out of range for {self._len} items")
-        with self._environment().begin() as txn:
-            value = txn.get(str(index).encode("ascii"))
-        if value is None or len(value) != self._image_bytes + _LABEL_DTYPE.itemsize:
-            raise ValueError(f"the LMDB cache at {self.path} has a missing or malformed entry {index}")
-        image = np.frombuffer(value, dtype=self.dtype, count=math.prod(self.image_shape)).reshape(
-            self.image_shape
-        )
-        label = int(np.frombuffer(value, dtype=_LABEL_DTYPE, count=1, offset=self._image_bytes)[0])
-        return torch.from_numpy(image.copy()), label
+        key = str(index).encode("ascii")
+        try:
+            with self._environment().begin() as txn:
+                value = txn.get(key)
+        except lmdb.Error as exc:
+            raise _wrap_lmdb_error(self.path, exc) from exc
+        _check_record(self.path, index, key, value, self._image_bytes)
+        image = np.frombuffer(value, dtype=self.dtype, count=math.prod(self.image_shape))
+        label = int.from_bytes(value[self._image_bytes : -_CRC_BYTES], "little", signed=True)
+        return torch.from_numpy(image.reshape(self.image_shape).copy()), label
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -332,6 +574,4 @@ class LMDBImageDataset(Dataset):
         return state
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(path={str(self.path)!r}, len={self._len}, image_shape={self.image_shape})"
-        )
+        return f"{type(self).__name__}(path={str(self.path)!r}, len={self._len}, image_shape={self.image_shape})"

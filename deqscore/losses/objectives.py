@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from ..errors import ConfigError, choice_error
+from ..errors import ConfigError, check_count, check_real, choice_error
 from .annealed import annealed_dsm, annealed_fd_ssm, annealed_ssm_vr
 from .score_matching import (
     DSM_WEIGHTINGS,
@@ -105,8 +105,7 @@ class Loss:
 
 
 def _check_projections(n_projections: int, projection: str) -> None:
-    if n_projections < 1:
-        raise ConfigError(f"n_projections must be >= 1, got {n_projections}")
+    check_count("n_projections", n_projections)
     if projection not in PROJECTIONS:
         raise choice_error("projection", projection, PROJECTIONS)
 
@@ -171,8 +170,7 @@ class DSM(ScoreLoss):
         sigma: float = 0.16,  # noise level
         weighting: Literal["none", "sigma2", "sigma4"] = "sigma2",  # power of sigma multiplying the loss
     ) -> None:
-        if sigma <= 0:
-            raise ConfigError(f"DSM sigma must be positive, got {sigma}")
+        check_real("DSM sigma", sigma)
         if weighting not in DSM_WEIGHTINGS:
             raise choice_error("DSM weighting", weighting, DSM_WEIGHTINGS)
         self.sigma, self.weighting = sigma, weighting
@@ -219,8 +217,7 @@ class AnnealedFDSSM(AnnealedLoss):
     """Finite-difference SSM-VR: forward evaluations at ``x~ +- v``, ``||v|| = fd_eps``."""
 
     def __init__(self, fd_eps: float = 0.1) -> None:  # length of the finite-difference step
-        if fd_eps <= 0:
-            raise ConfigError(f"fd_eps must be positive, got {fd_eps}")
+        check_real("fd_eps", fd_eps)
         self.fd_eps = fd_eps
 
     def __call__(self, score_fn, x, sigmas):

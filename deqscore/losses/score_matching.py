@@ -21,6 +21,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..errors import check_count, check_real
+
 Tensor = torch.Tensor
 ScoreFn = Callable[[Tensor], Tensor]
 
@@ -51,10 +53,19 @@ def score_from_energy(energy_fn: Callable[[Tensor], Tensor]) -> ScoreFn:
 
 
 def prepare_input(x: Tensor) -> Tensor:
-    """Check ``x`` is finite and return a detached leaf copy that requires grad."""
+    """Check ``x`` is a finite floating-point batch ``[B, ...]`` and return a detached leaf copy requiring grad.
+
+    Every loss takes its input through here, so these are the input checks of all of them.
+    """
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if not torch.is_floating_point(x):
         raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
-    if not torch.isfinite(x).all():
+    if x.dim() < 2 or math.prod(x.shape[1:]) == 0:
+        raise ValueError(
+            f"x must have shape [B, ...] (a batch dimension and at least one feature), got {tuple(x.shape)}"
+        )
+    if not torch.isfinite(x).all():  # one host sync; the count only on failure
         raise ValueError(f"x contains {int((~torch.isfinite(x)).sum())} non-finite values (NaN/Inf)")
     return x.detach().requires_grad_(True)
 
@@ -129,12 +140,12 @@ def sliced_score_matching(
 
     Averaged over ``n_projections`` vectors per sample (``x`` is repeated, one projection per copy).
     """
-    if n_projections < 1:
-        raise ValueError(f"n_projections must be >= 1, got {n_projections}")
+    check_count("n_projections", n_projections, error=ValueError)
     if projection not in PROJECTIONS:
         raise ValueError(f"unknown projection {projection!r}; choose one of {PROJECTIONS}")
+    x = prepare_input(x).detach()  # checked before repeating, so an error shows the shape given
     b = x.shape[0]
-    xr = prepare_input(x.repeat(n_projections, *[1] * (x.dim() - 1)))
+    xr = x.repeat(n_projections, *[1] * (x.dim() - 1)).requires_grad_(True)
     v = random_projections(xr, projection)
     s = checked_score(score_fn, xr)
     sv = _dot(s, v)
@@ -144,15 +155,19 @@ def sliced_score_matching(
 
 
 def _per_sample(sigma: float | Tensor, x: Tensor) -> Tensor:
-    """Broadcast a float or ``[B]`` noise level against ``x``."""
-    sigma = torch.as_tensor(sigma, dtype=x.dtype, device=x.device)
-    if sigma.dim() == 0:
-        sigma = sigma.expand(x.shape[0])
-    if sigma.shape != x.shape[:1]:
-        raise ValueError(f"sigma must be a float or a [B] tensor, got shape {tuple(sigma.shape)}")
-    if (sigma <= 0).any():
-        raise ValueError("noise levels sigma must be positive")
-    return sigma.view(-1, *[1] * (x.dim() - 1))
+    """Check a float or ``[B]`` noise level (finite, positive) and broadcast it against ``x``."""
+    if not isinstance(sigma, Tensor):
+        check_real("DSM sigma", sigma, error=ValueError)  # a plain number: checked without a device sync
+    sig = torch.as_tensor(sigma, dtype=x.dtype, device=x.device)
+    if sig.dim() == 0:
+        sig = sig.expand(x.shape[0])
+    if sig.shape != x.shape[:1]:
+        raise ValueError(f"DSM sigma must be a float or a [B] tensor, got shape {tuple(sig.shape)}")
+    if isinstance(sigma, Tensor):
+        ok = torch.isfinite(sig) & (sig > 0)
+        if not ok.all():
+            raise ValueError(f"DSM sigma must be finite and positive, got {int((~ok).sum())} noise levels that are not")
+    return sig.view(-1, *[1] * (x.dim() - 1))
 
 
 def denoising_score_matching(

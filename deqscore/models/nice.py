@@ -14,6 +14,7 @@ True
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from typing import Literal
 
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..deq import DEQ
-from ..errors import ConfigError, choice_error
+from ..errors import ConfigError, check_count, check_real, choice_error
 
 DEQFactory = Callable[[nn.Module], DEQ]  # DEQ options bound, the fixed-point map still to come
 
@@ -31,8 +32,8 @@ M_NETS = ("explicit", "deq")
 
 def explicit_mlp(d_in: int, hidden: int, n_layers: int, d_out: int) -> nn.Sequential:
     """``n_layers`` Linear layers, Softplus between: ``d_in -> hidden x (n_layers-1) -> d_out``."""
-    if n_layers < 2:
-        raise ConfigError(f"an explicit m-net needs n_layers >= 2, got {n_layers}")
+    check_count("n_layers", n_layers, low=2, why=" (an explicit m-net has n_layers Linear layers)")
+    check_count("hidden", hidden)
     dims = [d_in] + [hidden] * (n_layers - 1) + [d_out]
     layers: list[nn.Module] = []
     for i, (a, b) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
@@ -78,12 +79,24 @@ class DEQMNet(nn.Module):
         return self.out(self.deq(F.softplus(self.inject(x))))
 
 
+def _check_options(dim: int, n_couplings: int, m_net: str, hidden: int, deq_scale: float) -> None:
+    """Raise :class:`ConfigError` naming the first NICE option out of range (n_layers: :func:`explicit_mlp`)."""
+    if m_net not in M_NETS:
+        raise choice_error("NICE m_net", m_net, M_NETS)
+    check_count("NICE dim", dim, low=2)
+    if dim % 2:
+        raise ConfigError(f"NICE dim must be even (two halves of D/2 coordinates), got {dim}")
+    check_count("NICE n_couplings", n_couplings, why=": without couplings NICE is only a diagonal Gaussian")
+    check_count("NICE hidden", hidden)
+    check_real("NICE deq_scale", deq_scale, high=1.0, high_closed=False)
+
+
 class NICE(nn.Module):
     """NICE flow with ``n_couplings`` additive couplings and a diagonal scale.
 
     Args:
         dim: data dimension D (even).
-        n_couplings: number of couplings (4 by default; the reference code uses 2).
+        n_couplings: number of couplings, >= 1 (4 by default; the reference code uses 2).
         m_net: ``"explicit"`` (``n_layers``-layer Softplus MLP) or ``"deq"`` (DEQ block, see :class:`DEQMNet`).
         hidden: hidden width of the m-nets.
         n_layers: Linear layers of an explicit m-net.
@@ -96,7 +109,7 @@ class NICE(nn.Module):
     def __init__(
         self,
         dim: int = 784,  # data dimension D (even)
-        n_couplings: int = 4,  # additive couplings (the reference code uses 2)
+        n_couplings: int = 4,  # additive couplings, >= 1 (the reference code uses 2)
         m_net: Literal["explicit", "deq"] = "explicit",  # coupling network kind
         hidden: int = 1000,  # m-net width
         n_layers: int = 5,  # Linear layers of an explicit m-net
@@ -105,14 +118,7 @@ class NICE(nn.Module):
         deq: DEQFactory | None = None,  # DEQ layer options (m_net="deq"); None: DEQ's defaults
     ):
         super().__init__()
-        if m_net not in M_NETS:
-            raise choice_error("NICE m_net", m_net, M_NETS)
-        if dim % 2 or dim < 2:
-            raise ConfigError(f"NICE needs an even dimension, got {dim}")
-        if n_couplings < 0:
-            raise ConfigError(f"NICE needs n_couplings >= 0, got {n_couplings}")
-        if not 0.0 < deq_scale < 1.0:
-            raise ConfigError(f"deq_scale must lie in (0, 1) for the DEQ map to contract, got {deq_scale}")
+        _check_options(dim, n_couplings, m_net, hidden, deq_scale)
         self.dim, self.m_net_kind = dim, m_net
         half = dim // 2
         nets = []
@@ -135,11 +141,18 @@ class NICE(nn.Module):
         """Inverse of :meth:`split_halves`."""
         return torch.stack([even, odd], -1).reshape(even.shape[0], -1)
 
+    def _check_input(self, x: torch.Tensor) -> None:
+        """Shape ``[B, D]`` and finite values, checked once per public call (not per coupling: on a GPU the
+        finiteness test is a host sync)."""
+        if x.dim() != 2 or x.shape[1] != self.dim:
+            raise ValueError(f"NICE expects inputs of shape [B, {self.dim}], got {tuple(x.shape)}")
+        if not torch.isfinite(x).all():
+            n_bad = int((~torch.isfinite(x)).sum())
+            raise ValueError(f"the input to NICE contains {n_bad} non-finite values (NaN/Inf)")
+
     def _couple(self, x: torch.Tensor, reverse: bool) -> torch.Tensor:
         """Apply the couplings (or undo them, in reverse order): coupling i updates the odd coordinates from
         the even ones when i is even, and the even from the odd when i is odd."""
-        if x.dim() != 2 or x.shape[1] != self.dim:
-            raise ValueError(f"NICE expects inputs of shape [B, {self.dim}], got {tuple(x.shape)}")
         even, odd = self.split_halves(x)
         order = reversed(range(len(self.m_nets))) if reverse else range(len(self.m_nets))
         sign = -1.0 if reverse else 1.0
@@ -150,21 +163,32 @@ class NICE(nn.Module):
                 even = even + sign * self.m_nets[i](odd)
         return self.merge_halves(even, odd)
 
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._couple(x, reverse=False) * torch.exp(self.log_scale)
+
+    def _inverse(self, y: torch.Tensor) -> torch.Tensor:
+        return self._couple(y * torch.exp(-self.log_scale), reverse=True)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Map data ``x`` to the latent ``y`` (standard normal under the model)."""
-        return self._couple(x, reverse=False) * torch.exp(self.log_scale)
+        self._check_input(x)
+        return self._forward(x)
 
     def inverse(self, y: torch.Tensor) -> torch.Tensor:
         """Exact inverse of :meth:`forward` (up to the DEQ solver tolerance for DEQ m-nets)."""
-        return self._couple(y * torch.exp(-self.log_scale), reverse=True)
+        self._check_input(y)
+        return self._inverse(y)
 
     def log_prob(self, x: torch.Tensor) -> torch.Tensor:
         """Per-sample log-density ``[B]`` in nats (in the space of x)."""
-        y = self(x)
+        self._check_input(x)
+        y = self._forward(x)
         return -0.5 * self.dim * math.log(2 * math.pi) - 0.5 * y.pow(2).sum(1) + self.log_scale.sum()
 
     @torch.no_grad()
     def sample(self, n: int, temperature: float = 1.0) -> torch.Tensor:
         """Draw ``n`` samples by inverting the flow on ``temperature * N(0, I)``."""
+        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not math.isfinite(temperature):
+            raise ValueError(f"NICE.sample: temperature must be a finite number, got {temperature!r}")
         y = torch.randn(n, self.dim, device=self.log_scale.device, dtype=self.log_scale.dtype) * temperature
-        return self.inverse(y)
+        return self._inverse(y)  # finite by construction: no input check (and no device sync)

@@ -1,4 +1,5 @@
-"""Sampling utilities: drawing samples from any family's module in batches and saving them.
+"""Sampling utilities: PNG grids, and drawing samples from any family's module in batches, in memory
+(:func:`draw_samples`, for small ``n``) or streamed to an ``.npy`` file (:func:`stream_samples`, any ``n``).
 
 >>> import torch, tempfile, os
 >>> path = os.path.join(tempfile.mkdtemp(), "grid.png")
@@ -10,27 +11,41 @@ True
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
-import numpy as np
 import torch
-from torchvision.utils import save_image
 from tqdm.auto import tqdm
 
+from .grid import save_image_grid
+from .stream import (
+    GRID_SIZE,
+    NpyAppender,
+    OutputError,
+    SampleFiles,
+    check_output_dir,
+    output_paths,
+    staged,
+    stream_samples,
+)
 
-def save_image_grid(images: torch.Tensor, path: str | Path, nrow: int | None = None) -> None:
-    """Save images in [0, 1] (``[N, C, H, W]``) as one PNG grid."""
-    if images.dim() != 4:
-        raise ValueError(f"expected images of shape [N, C, H, W], got {tuple(images.shape)}")
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    nrow = nrow or max(1, int(len(images) ** 0.5))
-    save_image(images.float().clamp(0, 1).cpu(), str(path), nrow=nrow, padding=2)
+__all__ = [
+    "GRID_SIZE",
+    "NpyAppender",
+    "OutputError",
+    "SampleFiles",
+    "check_output_dir",
+    "draw_samples",
+    "output_paths",
+    "save_image_grid",
+    "staged",
+    "stream_samples",
+]
 
 
 def draw_samples(
     draw: Callable[[int], torch.Tensor], n: int, batch_size: int = 256, progress: bool = True
 ) -> torch.Tensor:
-    """Call ``draw(k)`` (e.g. ``module.sample_images``) in batches until ``n`` samples are drawn."""
+    """Call ``draw(k)`` (e.g. ``module.sample_images``) in batches until ``n`` samples are drawn, and return them
+    all as one tensor: memory grows with ``n``; use :func:`stream_samples` to write any number to disk."""
     out, drawn = [], 0
     with tqdm(total=n, desc="sampling", disable=not progress, unit="img") as bar:
         while drawn < n:
@@ -39,14 +54,3 @@ def draw_samples(
             drawn += k
             bar.update(k)
     return torch.cat(out)
-
-
-def save_samples(samples: torch.Tensor, out_dir: str | Path, stem: str = "samples") -> tuple[Path, Path]:
-    """Write ``<stem>.png`` (grid of at most 100) and ``<stem>.npz`` (all samples, key ``samples``)."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    png, npz = out_dir / f"{stem}.png", out_dir / f"{stem}.npz"
-    if samples.dim() == 4:
-        save_image_grid(samples[:100], png)
-    np.savez_compressed(npz, samples=samples.numpy())
-    return png, npz

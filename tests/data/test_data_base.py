@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import lmdb
 import numpy as np
 import pytest
 import torch
@@ -119,3 +120,20 @@ def test_a_loader_that_breaks_the_class_attributes_fails_clearly(tmp_path):
     assert Grey.dim == 16
     with pytest.raises(ValueError, match=r"Grey.load_arrays must return uint8 images of 16 values each"):
         Grey(data_dir=str(tmp_path)).setup("fit")
+
+
+def test_prepare_data_rebuilds_a_cache_with_a_damaged_item(tmp_path):
+    cached = _toy(tmp_path, use_lmdb=True)
+    cached.prepare_data()
+    images, index = toy_arrays(True)[0], 7
+    # one flipped bit in item 7's stored image (written through LMDB itself, so the page structure stays valid)
+    with lmdb.open(str(tmp_path / "toy_lmdb" / "train"), subdir=True) as env, env.begin(write=True) as txn:
+        record = bytearray(txn.get(b"7"))
+        record[5] ^= 0x01
+        txn.put(b"7", bytes(record))
+    LOADS.clear()
+    with pytest.warns(UserWarning, match="rebuilding"):
+        cached.prepare_data()
+    assert LOADS == [(True, True)]  # only the damaged split was loaded again
+    cached.setup("fit")
+    assert torch.equal(cached.train_dataset.base[index][0], torch.from_numpy(images[index]))

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from deqscore.deq import DEQ, DEQConvergenceWarning, SecondOrderIFTError
+from deqscore.errors import ConfigError
 from deqscore.losses import score_from_log_prob, sliced_score_matching
 
 from .helpers import LinearMap, TanhMap
@@ -174,6 +175,38 @@ def test_bad_settings_raise():
         DEQ(f, phantom_steps=0)
     with pytest.raises(ValueError, match="damping"):
         DEQ(f, phantom_damping=1.5)
+
+
+NAN, INF = float("nan"), float("inf")
+BAD_OPTIONS = [  # (option, value, what the message must say)
+    *[(key, v, f"DEQ {key} must be finite, got {v}") for key in ("tol", "phantom_damping", "ift_tol")
+      for v in (NAN, INF, -INF)],
+    ("tol", 0.0, "DEQ tol must be positive, got 0.0"),
+    ("tol", -1.0, "DEQ tol must be positive, got -1.0"),
+    ("tol", "1e-5", "DEQ tol must be a number, got '1e-5'"),
+    ("tol", True, "DEQ tol must be a number, got True"),
+    ("ift_tol", 0.0, "DEQ ift_tol must be positive, got 0.0"),
+    ("ift_tol", -1e-8, "DEQ ift_tol must be positive"),
+    ("phantom_damping", 0.0, "DEQ phantom_damping must be positive"),
+    ("phantom_damping", 1.5, r"DEQ phantom_damping must lie in \(0, 1\], got 1.5"),
+    *[(key, v, f"DEQ {key} must be >= 1, got {v}") for key in ("max_iter", "phantom_steps", "ift_max_iter")
+      for v in (0, -3)],
+    *[(key, v, f"DEQ {key} must be an int >= 1, got {v!r}") for key in ("max_iter", "phantom_steps", "ift_max_iter")
+      for v in (True, 2.0, NAN, "3")],
+    ("phantom_steps", 0, "with 0 steps the output carries no gradient"),
+]
+
+
+@pytest.mark.parametrize(("option", "value", "message"), BAD_OPTIONS)
+def test_bad_option_raises_config_error_naming_it(option, value, message):
+    with pytest.raises(ConfigError, match=message):
+        DEQ(TanhMap(DIM), **{option: value})
+
+
+def test_edge_values_are_accepted():
+    deq = DEQ(TanhMap(DIM), tol=1e-30, max_iter=1, phantom_steps=1, phantom_damping=1.0, ift_max_iter=1,
+              ift_tol=1e300)
+    assert deq.max_iter == 1 and deq.phantom_damping == 1.0
 
 
 def test_no_warning_when_converged():

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from deqscore.deq import available_solvers, get_solver, register_solver
-from deqscore.deq.solvers import NonFiniteIterateError, picard
+from deqscore.deq.solvers import NonFiniteIterateError, check_stopping, picard
+from deqscore.errors import ConfigError
 
 from .helpers import TanhMap
 
@@ -67,6 +68,22 @@ def test_per_sample_stopping_waits_for_the_slowest_sample():
 def test_nonfinite_iterate_raises():
     with pytest.raises(NonFiniteIterateError, match="non-finite"):
         picard(lambda z: 2 * z + float("nan"), torch.zeros(2, 2), tol=1e-6, max_iter=5)
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+@pytest.mark.parametrize(
+    ("tol", "message"),
+    [(float("nan"), "DEQ tol must be finite, got nan"), (float("inf"), "DEQ tol must be finite, got inf"),
+     (0.0, "DEQ tol must be positive, got 0.0"), (None, "DEQ tol must be a number, got None")],
+)
+def test_stopping_check_refuses_a_tolerance_that_is_not_finite_and_positive(solver, tol, message):
+    with pytest.raises(ConfigError, match=message):
+        get_solver(solver)(lambda z: 0.5 * z, torch.zeros(2, 2), tol=tol, max_iter=5)
+
+
+def test_stopping_check_refuses_an_unknown_mode():
+    with pytest.raises(ConfigError, match="unknown DEQ stop_mode 'max'; accepted: 'abs', 'rel'"):
+        check_stopping(1e-5, "max")
 
 
 def test_stats_report_nonconvergence():

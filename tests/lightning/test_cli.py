@@ -52,6 +52,8 @@ USAGE_ERRORS = [  # (extra arguments, what the one-line message must say)
     (["--data.init_args.transform", "sigmoid"],
      "data.init_args.transform: 'sigmoid' is not accepted\n  accepted: 'logit', 'unit', 'logit_squeeze'"),
     (["--trainer.inference_mode", "true"], "trainer.inference_mode must be false"),
+    (["--optimizer.lr", "0"], "optimizer.init_args.lr must be a positive finite number, got 0.0"),
+    (["--optimizer.lr", ".nan"], "optimizer.init_args.lr must be a positive finite number, got nan"),
     (["--ckpt_path", "missing.ckpt"], "ckpt_path: no checkpoint at missing.ckpt"),
     (["--config", "no/such/config.yaml"], "File does not exist"),
 ]
@@ -153,7 +155,7 @@ def test_sample_script_and_checkpoint_family(tmp_path, root):
     _fit(tmp_path, "s", 1)
     ckpt = tmp_path / "s" / "checkpoints" / "last.ckpt"
     sample.main(["--checkpoint", str(ckpt), "--num-samples", "10", "--out", str(tmp_path / "out"), "--batch-size", "4"])
-    arr = np.load(tmp_path / "out" / "samples.npz")["samples"]
+    arr = np.load(tmp_path / "out" / "samples.npy")
     assert arr.shape == (10, 1, 28, 28) and (arr >= 0).all() and (arr <= 1).all()
     assert (tmp_path / "out" / "samples.png").stat().st_size > 0
     # the samples are the flow's inverse of N(0, I): mapping them back gives latents of unit variance
@@ -175,18 +177,6 @@ def test_sample_script_and_checkpoint_family(tmp_path, root):
     (tmp_path / "junk.ckpt").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="not a readable"):
         load_module(tmp_path / "junk.ckpt")
-
-
-def test_fresh_fit_in_existing_run_dir_keeps_old_metrics(tmp_path):
-    from deqscore.lightning.cli import keep_previous_metrics
-
-    assert keep_previous_metrics(tmp_path) is None
-    (tmp_path / "metrics.csv").write_text("step,train/loss\n0,1.0\n")
-    moved = keep_previous_metrics(tmp_path)
-    assert moved == tmp_path / "metrics.1.csv" and moved.read_text().startswith("step")
-    (tmp_path / "metrics.csv").write_text("x")
-    assert keep_previous_metrics(tmp_path) == tmp_path / "metrics.2.csv"
-    assert not (tmp_path / "metrics.csv").exists()
 
 
 def test_ift_is_refused_for_score_losses_and_allowed_for_mle(tmp_path):
@@ -254,3 +244,30 @@ def test_exact_sm_metric_is_the_converged_models_exact_sm():
         g = torch.autograd.functional.jacobian(f, x[b])
         values.append(0.5 * g.pow(2).sum() + torch.autograd.functional.hessian(f, x[b]).trace())
     assert got.item() == pytest.approx(torch.stack(values).mean().item(), rel=1e-8)
+
+
+def test_missing_data_is_a_usage_error_naming_what_to_put_where(tmp_path, capsys, monkeypatch):
+    from deqscore.data import mnist
+
+    def offline(root, train):
+        raise mnist._Unavailable("network disabled in tests")
+
+    monkeypatch.setattr(mnist, "_from_download", offline)
+    monkeypatch.setattr(mnist, "find_pureml_mnist", lambda: None)
+    args = ["fit", *tiny_args(tmp_path), "--data.init_args.data_dir", str(tmp_path / "empty"),
+            "--trainer.fast_dev_run", "1"]
+    assert run(args) == 2
+    err = capsys.readouterr().err
+    assert "error: " in err and "MNIST" in err and str(tmp_path / "empty") in err and "Traceback" not in err
+
+
+def test_sample_script_reports_a_bad_checkpoint_in_one_message(tmp_path, capsys):
+    import sample
+
+    (tmp_path / "junk.ckpt").write_bytes(b"not a checkpoint")
+    for path, expected in ((tmp_path / "missing.ckpt", "no checkpoint at"), (tmp_path / "junk.ckpt", "not a readable")):
+        with pytest.raises(SystemExit) as info:
+            sample.main(["--checkpoint", str(path), "--out", str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and "error: --checkpoint: " in err and expected in err and str(path) in err, err
+        assert "Traceback" not in err and "usage:" not in err and not (tmp_path / "out").exists()

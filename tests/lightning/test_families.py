@@ -96,10 +96,11 @@ def test_sample_images_invert_the_data_transform(transform):
 
 
 def test_clamp_pipeline_logs_its_bits_per_dim_as_approximate(tmp_path):
-    cli = main(["fit", *tiny_args(tmp_path), "--data.init_args.transform", "logit", "--trainer.fast_dev_run", "1"])
+    cli = main(["fit", *tiny_args(tmp_path, run_name="clamp"), "--data.init_args.transform", "logit",
+                "--trainer.fast_dev_run", "1"])
     metrics = cli.trainer.callback_metrics
     assert "val/bits_per_dim_approx" in metrics and "val/bits_per_dim" not in metrics
-    cli = main(["fit", *tiny_args(tmp_path), "--trainer.fast_dev_run", "1"])
+    cli = main(["fit", *tiny_args(tmp_path, run_name="squeeze"), "--trainer.fast_dev_run", "1"])
     assert "val/bits_per_dim" in cli.trainer.callback_metrics
 
 

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -6,7 +8,10 @@ from deqscore.errors import ConfigError
 from deqscore.losses import (
     DSM,
     SSM,
+    SSMVR,
+    AnnealedFDSSM,
     AnnealedLoss,
+    AnnealedSSMVR,
     ScoreLoss,
     annealed_dsm,
     annealed_fd_ssm,
@@ -182,6 +187,111 @@ def test_bad_inputs_raise_clear_errors():
         sliced_score_matching(lambda x: -x, x, projection="uniform")
     with pytest.raises(ValueError, match="unknown DSM weighting"):
         denoising_score_matching(lambda x: -x, x, 0.1, weighting="sigma3")
+
+
+NAN, INF = float("nan"), float("inf")
+SIGMAS = geometric_sigmas(1.0, 0.1, 3)
+
+
+def _object_loss(name: str):
+    loss = build_loss(name)
+    if isinstance(loss, AnnealedLoss):
+        return lambda x: loss(lambda x, s: -x, x, SIGMAS)
+    return lambda x: loss(lambda x: -x, x)
+
+
+LOSSES = {  # every loss, as a function of x: the functional forms and every registered loss object
+    "exact": lambda x: exact_score_matching(lambda x: -x, x),
+    "ssm": lambda x: sliced_score_matching(lambda x: -x, x),
+    "ssm_vr": lambda x: sliced_score_matching(lambda x: -x, x, n_projections=2, variance_reduction=True),
+    "dsm": lambda x: denoising_score_matching(lambda x: -x, x, 0.1),
+    "annealed_dsm": lambda x: annealed_dsm(lambda x, s: -x, x, SIGMAS),
+    "annealed_ssm_vr": lambda x: annealed_ssm_vr(lambda x, s: -x, x, SIGMAS),
+    "annealed_fd_ssm": lambda x: annealed_fd_ssm(lambda x, s: -x, x, SIGMAS),
+    **{f"object {name}": _object_loss(name) for name in loss_names(ScoreLoss, AnnealedLoss)},
+}
+
+
+@pytest.mark.parametrize("shape", [(5,), (), (4, 0)])
+@pytest.mark.parametrize("loss", LOSSES.values(), ids=LOSSES.keys())
+def test_every_loss_requires_a_batch_with_features(loss, shape):
+    expected = f"x must have shape [B, ...] (a batch dimension and at least one feature), got {shape}"
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        loss(torch.randn(shape, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("loss", LOSSES.values(), ids=LOSSES.keys())
+def test_every_loss_checks_its_input_is_finite_floating_point(loss):
+    x = torch.randn(4, D, dtype=torch.float64)
+    x[1, 2] = NAN
+    with pytest.raises(ValueError, match="x contains 1 non-finite values"):
+        loss(x)
+    with pytest.raises(TypeError, match="x must be a floating-point tensor, got torch.int64"):
+        loss(torch.ones(4, D, dtype=torch.int64))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+        loss([[1.0, 2.0]])
+
+
+def test_batch_shaped_inputs_of_any_rank_are_accepted():
+    x = torch.randn(3, 2, 2, dtype=torch.float64)
+    assert exact_score_matching(lambda x: -x, x).shape == (3,)
+    assert sliced_score_matching(lambda x: -x, x, n_projections=2).shape == (3,)
+    assert exact_score_matching(lambda x: -x, torch.randn(3, 1)).shape == (3,)
+
+
+@pytest.mark.parametrize(
+    ("sigma", "message"),
+    [(NAN, "DSM sigma must be finite, got nan"), (INF, "DSM sigma must be finite, got inf"),
+     (0.0, "DSM sigma must be positive, got 0.0"), (-0.1, "DSM sigma must be positive"),
+     ("0.1", "DSM sigma must be a number, got '0.1'"),
+     (torch.tensor([0.1, NAN, 0.2, 0.3]), "DSM sigma must be finite and positive, got 1 noise levels that are not"),
+     (torch.tensor([0.1, INF, 0.0, 0.3]), "DSM sigma must be finite and positive, got 2 noise levels that are not"),
+     (torch.tensor(NAN), "DSM sigma must be finite and positive, got 4 noise levels"),
+     (torch.ones(3), r"DSM sigma must be a float or a \[B\] tensor, got shape \(3,\)")],
+)
+def test_dsm_sigma_must_be_finite_and_positive(sigma, message):
+    with pytest.raises(ValueError, match=message):
+        denoising_score_matching(lambda x: -x, torch.randn(4, D), sigma)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda x, s: sliced_score_matching(lambda x: -x, x, n_projections=0), "n_projections must be >= 1, got 0"),
+        (lambda x, s: sliced_score_matching(lambda x: -x, x, n_projections=1.0), "n_projections must be an int"),
+        (lambda x, s: annealed_ssm_vr(lambda x, s: -x, x, s, n_projections=0), "n_projections must be >= 1"),
+        (lambda x, s: annealed_ssm_vr(lambda x, s: -x, x, s, n_projections=True), "n_projections must be an int"),
+        (lambda x, s: annealed_fd_ssm(lambda x, s: -x, x, s, fd_eps=NAN), "fd_eps must be finite, got nan"),
+        (lambda x, s: annealed_fd_ssm(lambda x, s: -x, x, s, fd_eps=INF), "fd_eps must be finite, got inf"),
+        (lambda x, s: annealed_fd_ssm(lambda x, s: -x, x, s, fd_eps=0.0), "fd_eps must be positive, got 0.0"),
+        (lambda x, s: annealed_dsm(lambda x, s: -x, x, s.clone().fill_(NAN)), "sigmas must be finite and positive"),
+        (lambda x, s: annealed_dsm(lambda x, s: -x, x, -s), "sigmas must be finite and positive, got 3 noise"),
+        (lambda x, s: annealed_dsm(lambda x, s: -x, x, s[:0]), r"sigmas must be a non-empty 1-D tensor.*\(0,\)"),
+        (lambda x, s: annealed_dsm(lambda x, s: -x, x, s[0]), r"sigmas must be a non-empty 1-D tensor.*\(\)"),
+    ],
+)
+def test_functional_options_are_checked(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(torch.randn(4, D, dtype=torch.float64), geometric_sigmas(1.0, 0.1, 3))
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        *[(lambda v=v: DSM(sigma=v), f"DSM sigma must be finite, got {v}") for v in (NAN, INF, -INF)],
+        (lambda: DSM(sigma=0.0), "DSM sigma must be positive, got 0.0"),
+        (lambda: DSM(sigma=True), "DSM sigma must be a number, got True"),
+        *[(lambda v=v: AnnealedFDSSM(fd_eps=v), f"fd_eps must be finite, got {v}") for v in (NAN, INF)],
+        (lambda: AnnealedFDSSM(fd_eps=-0.1), "fd_eps must be positive, got -0.1"),
+        *[(lambda c=c, v=v: c(n_projections=v), f"n_projections must be >= 1, got {v}")
+          for c in (SSM, SSMVR, AnnealedSSMVR) for v in (0, -2)],
+        *[(lambda c=c, v=v: c(n_projections=v), f"n_projections must be an int >= 1, got {v!r}")
+          for c in (SSM, SSMVR, AnnealedSSMVR) for v in (2.0, True, NAN)],
+    ],
+)
+def test_loss_object_options_raise_config_error_naming_them(make, message):
+    with pytest.raises(ConfigError, match=message):
+        make()
 
 
 def test_build_loss_by_name_or_object_and_clear_errors():

@@ -8,6 +8,7 @@ from deqscore.deq import DEQ
 from deqscore.errors import ConfigError
 from deqscore.losses import score_from_log_prob, sliced_score_matching
 from deqscore.models import NICE
+from deqscore.models.nice import explicit_mlp
 
 VARIANTS = [("explicit", 2), ("explicit", 4), ("deq", 2), ("deq", 4)]
 
@@ -72,10 +73,21 @@ def test_deq_map_is_a_contraction():
     assert ratio.max() < 0.5
 
 
+def _pure_scale_flow(dim: int = 4) -> NICE:
+    """One coupling whose m-net's last Linear layer is zero, so the coupling adds nothing: y = exp(s) * x."""
+    flow = NICE(dim=dim, n_couplings=1, hidden=5, n_layers=2).double()
+    with torch.no_grad():
+        flow.m_nets[0][-1].weight.zero_()
+        flow.m_nets[0][-1].bias.zero_()
+    return flow
+
+
 def test_samples_follow_model_density_for_pure_scale_flow():
-    flow = NICE(dim=4, n_couplings=0).double()
+    flow = _pure_scale_flow()
     with torch.no_grad():
         flow.log_scale.copy_(torch.tensor([0.0, 0.5, -0.5, 1.0]))
+    x = torch.randn(3, 4, dtype=torch.float64)
+    assert torch.equal(flow(x), x * torch.exp(flow.log_scale))  # the coupling is the identity
     x = flow.sample(20000)
     assert torch.allclose(x.std(0), torch.exp(-flow.log_scale.detach()), rtol=0.03)
 
@@ -83,7 +95,82 @@ def test_samples_follow_model_density_for_pure_scale_flow():
 def test_bad_config_raises():
     with pytest.raises(ConfigError, match="unknown NICE m_net 'resnet'; accepted: 'explicit', 'deq'"):
         NICE(m_net="resnet")
-    with pytest.raises(ConfigError, match="even"):
-        NICE(dim=7)
-    with pytest.raises(ConfigError, match="n_couplings >= 0"):
-        NICE(n_couplings=-1)
+
+
+BAD_OPTIONS = [  # (option, value, what the message must say)
+    ("dim", 7, "NICE dim must be even"),
+    ("dim", 0, "NICE dim must be >= 2"),
+    ("dim", 8.0, "NICE dim must be an int"),
+    ("n_couplings", 0, "NICE n_couplings must be >= 1, got 0: without couplings"),
+    ("n_couplings", -1, "NICE n_couplings must be >= 1"),
+    ("n_couplings", True, "NICE n_couplings must be an int"),
+    ("hidden", 0, "NICE hidden must be >= 1, got 0"),
+    ("hidden", -3, "NICE hidden must be >= 1"),
+    ("hidden", 2.5, "NICE hidden must be an int"),
+    ("n_layers", 1, "n_layers must be >= 2, got 1"),
+    ("n_layers", 3.0, "n_layers must be an int"),
+    ("deq_scale", float("nan"), "NICE deq_scale must be finite, got nan"),
+    ("deq_scale", float("inf"), "NICE deq_scale must be finite, got inf"),
+    ("deq_scale", 1.0, r"NICE deq_scale must lie in \(0, 1\), got 1.0"),
+    ("deq_scale", 0.0, "NICE deq_scale must be positive"),
+]
+
+
+@pytest.mark.parametrize(
+    ("m_net", "option", "value", "message"),
+    [(m, *bad) for m in ("explicit", "deq") for bad in BAD_OPTIONS if m == "explicit" or bad[0] != "n_layers"],
+)
+def test_bad_option_raises_config_error_naming_it(m_net, option, value, message):
+    with pytest.raises(ConfigError, match=message):
+        NICE(**{"dim": 4, "n_couplings": 1, "hidden": 3, "m_net": m_net, option: value})
+
+
+def test_explicit_mlp_checks_its_sizes():
+    with pytest.raises(ConfigError, match="n_layers must be >= 2"):
+        explicit_mlp(2, 3, 1, 2)
+    with pytest.raises(ConfigError, match="hidden must be >= 1"):
+        explicit_mlp(2, 0, 3, 2)
+
+
+def _nonfinite(n_bad: int, dim: int = 4) -> torch.Tensor:
+    x = torch.randn(3, dim, dtype=torch.float64)
+    x.view(-1)[:n_bad] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=torch.float64)[:n_bad]
+    return x
+
+
+@pytest.mark.parametrize("method", ["forward", "inverse", "log_prob"])
+@pytest.mark.parametrize("m_net", ["explicit", "deq"])
+@pytest.mark.parametrize("n_bad", [1, 3])
+def test_nonfinite_input_is_reported_as_such_not_as_a_diverging_solver(m_net, method, n_bad):
+    flow = NICE(dim=4, n_couplings=2, hidden=3, n_layers=2, m_net=m_net).double()
+    with pytest.raises(ValueError, match=f"the input to NICE contains {n_bad} non-finite values"):
+        getattr(flow, method)(_nonfinite(n_bad))
+
+
+@pytest.mark.parametrize("method", ["forward", "inverse", "log_prob"])
+def test_input_of_the_wrong_shape_raises(method):
+    flow = NICE(dim=4, n_couplings=1, hidden=3, n_layers=2).double()
+    with pytest.raises(ValueError, match=r"NICE expects inputs of shape \[B, 4\], got \(3, 6\)"):
+        getattr(flow, method)(torch.randn(3, 6, dtype=torch.float64))
+
+
+def test_finiteness_is_checked_once_per_call_not_per_coupling(monkeypatch):
+    flow = NICE(dim=4, n_couplings=4, hidden=3, n_layers=2).double()
+    calls = []
+    isfinite = torch.isfinite
+    monkeypatch.setattr(torch, "isfinite", lambda t: calls.append(t.shape) or isfinite(t))
+    x = torch.randn(3, 4, dtype=torch.float64)
+    for method in (flow.forward, flow.inverse, flow.log_prob):
+        calls.clear()
+        method(x)
+        assert len(calls) == 1, method.__name__
+    calls.clear()
+    flow.sample(5)  # drawn from N(0, I): nothing to check
+    assert not calls
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf")])
+def test_sample_refuses_a_nonfinite_temperature(temperature):
+    flow = NICE(dim=4, n_couplings=1, hidden=3, n_layers=2)
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        flow.sample(2, temperature=temperature)

@@ -14,12 +14,17 @@ D = 6
 
 
 def _flow(seed: int = 0, n_couplings: int = 3, hidden: int = 5, n_layers: int = 3) -> NICE:
+    """A random flow; ``n_couplings=0`` gives a pure scale flow (NICE needs >= 1 coupling: one whose m-net's
+    last Linear layer is zero, so it adds nothing)."""
     torch.manual_seed(seed)
-    flow = NICE(dim=D, n_couplings=n_couplings, hidden=hidden, n_layers=n_layers).double()
+    flow = NICE(dim=D, n_couplings=max(n_couplings, 1), hidden=hidden, n_layers=n_layers).double()
     with torch.no_grad():
         flow.log_scale.copy_(0.5 * torch.randn(D, dtype=torch.float64))
         for p in flow.m_nets.parameters():  # larger weights: strong curvature and coupling cross terms
             p.mul_(2.0)
+        if n_couplings == 0:
+            flow.m_nets[0][-1].weight.zero_()
+            flow.m_nets[0][-1].bias.zero_()
     return flow
 
 

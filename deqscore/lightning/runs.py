@@ -1,0 +1,145 @@
+"""Run directories that nothing overwrites by accident, checkpoint files that are complete or absent, and logs
+that stay true across resumes.
+
+* :class:`RunLock`: one process at a time per run directory (an ``flock`` held for the life of the run, released
+  by the kernel even after ``kill -9``), taken by ``train.py`` for every subcommand.
+* :func:`prepare_fresh_run`: a fresh ``fit`` into a directory that already holds a run is refused, or, when asked,
+  the old run is moved aside whole; nothing is ever deleted.
+* :class:`AtomicCheckpointIO`: a checkpoint is written to a temporary file in its own directory, synced and renamed
+  over the target, so a full disk or a crash leaves the previous file intact and no partial file behind.
+* :func:`truncate_log_after`: a resumed run drops the CSV rows logged after its checkpoint (they are logged
+  again), so every step appears once.
+"""
+
+from __future__ import annotations
+
+import csv
+import fcntl
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+
+from ..errors import ConfigError
+
+#: files and folders that mark a directory as holding a run
+RUN_MARKERS = ("checkpoints", "metrics.csv", "config.yaml", "hparams.yaml")
+
+
+class RunInUseError(ConfigError):
+    """Another process holds the run directory."""
+
+
+class RunLock:
+    """Exclusive lock of a run directory, ``<runs_root>/.<run_name>.lock`` (beside the run, so the run can be
+    moved aside while it is held)."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir.parent / f".{self.run_dir.name}.lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise RunInUseError(
+                f"run directory {self.run_dir} is in use by process {holder}; wait for it to finish or choose "
+                "another --run_name"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        self.path.unlink(missing_ok=True)  # while still held: no other process can have taken it meanwhile
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def holds_a_run(run_dir: Path) -> list[str]:
+    """The run markers present in ``run_dir`` (empty: a fresh directory)."""
+    return [m for m in RUN_MARKERS if (Path(run_dir) / m).exists()]
+
+
+def move_aside(run_dir: Path) -> Path:
+    """Rename ``run_dir`` to the first free ``<run_dir>.<n>``; returns the new path."""
+    n = 1
+    while run_dir.with_name(f"{run_dir.name}.{n}").exists():
+        n += 1
+    return run_dir.rename(run_dir.with_name(f"{run_dir.name}.{n}"))
+
+
+def prepare_fresh_run(run_dir: Path, overwrite: bool) -> Path | None:
+    """Refuse a fresh run in a directory holding one, unless ``overwrite``: then move the old run aside whole and
+    return where it went."""
+    found = holds_a_run(run_dir)
+    if not found:
+        return None
+    if not overwrite:
+        raise ConfigError(
+            f"run directory {run_dir} already holds a run ({', '.join(found)}); resume it with --ckpt_path "
+            f"{run_dir / 'checkpoints' / 'last.ckpt'}, choose another --run_name, or pass --overwrite_run true to "
+            f"move the old run aside (to {run_dir}.<n>)"
+        )
+    return move_aside(run_dir)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Writes each checkpoint to a temporary file beside its target, syncs it and renames it over the target."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("AtomicCheckpointIO takes no storage_options")
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # same file system: the rename is atomic
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+
+def checkpoint_log_step(ckpt: dict[str, Any]) -> int:
+    """The logging step a run resumed from ``ckpt`` continues at (Lightning's count of optimizer-stepping batches)."""
+    loop = ckpt.get("loops", {}).get("fit_loop", {}).get("epoch_loop.state_dict", {})
+    return int(loop.get("_batches_that_stepped", ckpt.get("global_step", 0)))
+
+
+def truncate_log_after(csv_path: Path, step: int) -> int:
+    """Drop the rows of ``csv_path`` logged at ``step`` or later; returns how many were dropped."""
+    if not csv_path.is_file():
+        return 0
+    with open(csv_path, newline="") as f:
+        reader = csv.DictReader(f)
+        fields, rows = reader.fieldnames or [], list(reader)
+    kept = [r for r in rows if not r.get("step") or int(r["step"]) < step]
+    if len(kept) == len(rows):
+        return 0
+    tmp = csv_path.with_name(f".{csv_path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(kept)
+    os.replace(tmp, csv_path)
+    return len(rows) - len(kept)

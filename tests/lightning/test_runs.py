@@ -1,0 +1,186 @@
+"""Runs you can trust: what the user typed wins over the checkpoint, run directories are not overwritten by
+accident, checkpoint files are complete or absent, resumed logs are true, Ctrl-C leaves a resumable state."""
+
+import errno
+import hashlib
+import shutil
+import signal
+
+import pytest
+import pytorch_lightning as pl
+import torch
+
+from deqscore.lightning.callbacks import read_metrics_csv
+from deqscore.lightning.cli import main, run
+from deqscore.lightning.runs import AtomicCheckpointIO, RunLock
+
+from .conftest import tiny_args
+
+EXPLICIT = "configs/nice/explicit.yaml"
+
+
+def _fit(tmp_path, name, epochs=1, extra=(), config=EXPLICIT):
+    return main(["fit", *tiny_args(tmp_path, config, name), "--trainer.max_epochs", str(epochs), *extra])
+
+
+def _tree(path):
+    """{relative file: sha256} of everything under ``path``."""
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+# ---------------------------------------------------------------------------------------------- precedence
+
+
+def test_evaluation_options_given_with_a_checkpoint_take_effect(tmp_path):
+    _fit(tmp_path, "r")
+    run_dir = tmp_path / "r"
+    args = ["test", "--config", str(run_dir / "config.yaml"), "--ckpt_path", str(run_dir / "checkpoints" / "last.ckpt"),
+            "--data.init_args.eval_batch_size", "8"]
+    one = main(args)
+    every = main([*args, "--model.init_args.exact_sm_batches", "-1"])
+    assert one.model.exact_sm_batches == 1 and every.model.exact_sm_batches == -1
+    # the metric is the mean over both test batches, not the first one alone
+    assert every.trainer.callback_metrics["test/exact_sm"] != one.trainer.callback_metrics["test/exact_sm"]
+
+
+def test_optimizer_options_given_on_resume_take_effect(tmp_path):
+    _fit(tmp_path, "r", extra=["--optimizer.lr", "1e-3"])
+    run_dir = tmp_path / "r"
+    resumed = main(["fit", "--config", str(run_dir / "config.yaml"), "--trainer.max_epochs", "2",
+                    "--ckpt_path", str(run_dir / "checkpoints" / "last.ckpt"), "--optimizer.lr", "5e-3"])
+    assert resumed.trainer.optimizers[0].param_groups[0]["lr"] == 5e-3
+    # the restored Adam state (step counts) was kept: the option changed, not the optimiser
+    assert all(s["step"] == 6 for s in resumed.trainer.optimizers[0].state.values())
+
+
+def test_a_checkpoint_of_another_architecture_is_refused_naming_both_values(tmp_path, capsys):
+    _fit(tmp_path, "r")
+    ckpt = tmp_path / "r" / "checkpoints" / "last.ckpt"
+    before = _tree(tmp_path)
+    assert run(["fit", *tiny_args(tmp_path, "configs/nice/deq.yaml", "r2"), "--ckpt_path", str(ckpt)]) == 2
+    err = capsys.readouterr().err
+    assert "model.init_args.net.init_args.m_net: checkpoint 'explicit', config 'deq'" in err
+    assert run(["test", *tiny_args(tmp_path, EXPLICIT, "r"), "--ckpt_path", str(ckpt),
+                "--data.init_args.transform", "logit", "--model.init_args.net.init_args.hidden", "13"]) == 2
+    err = capsys.readouterr().err
+    assert "data.init_args.transform: checkpoint 'logit_squeeze', config 'logit'" in err
+    assert "model.init_args.net.init_args.hidden: checkpoint 12, config 13" in err
+    assert _tree(tmp_path) == before  # nothing written
+
+
+def test_deq_solver_options_may_differ_from_the_checkpoint(tmp_path):
+    _fit(tmp_path, "d", config="configs/nice/deq.yaml")
+    run_dir = tmp_path / "d"
+    cli = main(["test", "--config", str(run_dir / "config.yaml"), "--ckpt_path",
+                str(run_dir / "checkpoints" / "last.ckpt"),
+                "--model.init_args.net.init_args.deq.init_args.solver", "anderson",
+                "--model.init_args.net.init_args.deq.init_args.tol", "1e-6",
+                "--model.init_args.net.init_args.deq.init_args.max_iter", "100"])
+    deq = cli.model.deq_layers()[0]
+    assert (deq.solver, deq.tol, deq.max_iter) == ("anderson", 1e-6, 100)
+    assert cli.trainer.callback_metrics["test/deq/converged"] == 1
+
+
+# ---------------------------------------------------------------------------------------------- run directories
+
+
+def test_a_fresh_run_into_an_existing_run_is_refused_and_changes_nothing(tmp_path, capsys):
+    _fit(tmp_path, "r")
+    before = _tree(tmp_path)
+    assert run(["fit", *tiny_args(tmp_path, EXPLICIT, "r")]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and "--overwrite_run true" in err and "--ckpt_path" in err
+    assert _tree(tmp_path) == before
+
+
+def test_overwrite_run_moves_the_old_run_aside_whole(tmp_path):
+    _fit(tmp_path, "r")
+    old = _tree(tmp_path / "r")
+    _fit(tmp_path, "r", extra=["--overwrite_run", "true", "--optimizer.lr", "3e-3"])
+    assert _tree(tmp_path / "r.1") == old  # the previous run, untouched, beside the new one
+    assert (tmp_path / "r" / "checkpoints" / "last.ckpt").is_file()
+    assert _tree(tmp_path / "r")["checkpoints/last.ckpt"] != old["checkpoints/last.ckpt"]
+    assert sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir() if "last" in p.name) == ["last.ckpt"]
+
+
+def test_a_run_directory_in_use_is_refused(tmp_path, capsys):
+    import os
+
+    with RunLock(tmp_path / "r"):
+        assert run(["fit", *tiny_args(tmp_path, EXPLICIT, "r"), "--trainer.fast_dev_run", "1"]) == 2
+    assert f"is in use by process {os.getpid()}" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+    with RunLock(tmp_path / "r"):  # released: it can be taken again
+        pass
+
+
+# ---------------------------------------------------------------------------------------------- atomic checkpoints
+
+
+def test_a_failed_checkpoint_save_keeps_the_previous_file_and_leaves_no_partial_one(tmp_path, monkeypatch):
+    io = AtomicCheckpointIO()
+    target = tmp_path / "best.ckpt"
+    io.save_checkpoint({"w": torch.arange(5)}, target)
+    good = target.read_bytes()
+
+    def disk_full(obj, f):
+        f.write(b"x" * 100)  # part of the file, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        io.save_checkpoint({"w": torch.arange(10)}, target)
+    assert target.read_bytes() == good and [p.name for p in tmp_path.iterdir()] == ["best.ckpt"]
+    monkeypatch.undo()
+    assert torch.equal(torch.load(target)["w"], torch.arange(5))
+
+
+def test_training_writes_checkpoints_through_the_atomic_writer(tmp_path):
+    cli = _fit(tmp_path, "r")
+    assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+    assert not list((tmp_path / "r" / "checkpoints").glob(".*tmp*"))
+
+
+# ---------------------------------------------------------------------------------------------- true logs, Ctrl-C
+
+
+def test_a_resume_after_a_crash_logs_every_step_once(tmp_path):
+    _fit(tmp_path, "r")
+    run_dir = tmp_path / "r"
+    shutil.copy(run_dir / "checkpoints" / "last.ckpt", tmp_path / "epoch1.ckpt")
+    resume = ["fit", "--config", str(run_dir / "config.yaml"), "--trainer.max_epochs", "2"]
+    main([*resume, "--ckpt_path", str(run_dir / "checkpoints" / "last.ckpt")])
+    # as if killed after logging epoch 2 but before its checkpoint: resume from the epoch-1 state again
+    main([*resume, "--ckpt_path", str(tmp_path / "epoch1.ckpt")])
+    steps = [s for s, _ in read_metrics_csv(run_dir / "metrics.csv")["train/loss"]]
+    assert steps == list(range(6))
+    val_steps = [s for s, _ in read_metrics_csv(run_dir / "metrics.csv")["val/loss"]]
+    assert len(val_steps) == len(set(val_steps)) == 2
+
+
+class InterruptAtStep2(pl.Callback):
+    """Ctrl-C at global step 2, once per test (the resumed run's saved config carries this callback too)."""
+
+    fired = False
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step == 2 and not InterruptAtStep2.fired:
+            InterruptAtStep2.fired = True
+            raise KeyboardInterrupt
+
+
+def test_ctrl_c_saves_a_resumable_checkpoint_of_the_interrupted_state(tmp_path, monkeypatch):
+    monkeypatch.setattr(InterruptAtStep2, "fired", False)
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit):
+            _fit(tmp_path, "r", 2, extra=[f"--trainer.callbacks+={__name__}.InterruptAtStep2"])
+    finally:
+        signal.signal(signal.SIGINT, handler)  # Lightning ignores SIGINT while it shuts down
+    saved = tmp_path / "r" / "checkpoints" / "interrupted.ckpt"
+    assert torch.load(saved, weights_only=False)["global_step"] == 2
+    resumed = main(["fit", "--config", str(tmp_path / "r" / "config.yaml"), "--trainer.max_epochs", "2",
+                    "--ckpt_path", str(saved)])
+    assert resumed.trainer.global_step == 6
+    assert not (tmp_path / ".r.lock").exists()  # the lock died with the interrupted run
