@@ -16,6 +16,7 @@ import sample
 from deqscore.data.transforms import ImageCodec
 from deqscore.lightning import build_module, load_module
 from deqscore.sampling import NpyAppender, OutputError, check_output_dir, stream_samples
+from deqscore.sampling import cli as sampling_cli
 from deqscore.sampling import stream as stream_mod
 
 TINY_NICE = {"class_path": "deqscore.lightning.NICEModule",
@@ -202,7 +203,7 @@ def no_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the usage error was reported")
 
-    monkeypatch.setattr(sample, "load_module", refuse)
+    monkeypatch.setattr(sampling_cli, "load_module", refuse)
 
 
 def _usage_error(argv: list, capsys, root: Path) -> str:

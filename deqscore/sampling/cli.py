@@ -1,0 +1,128 @@
+"""``python sample.py``: draw samples from any deqscore checkpoint.
+
+    python sample.py --checkpoint checkpoints/demo/checkpoints/last.ckpt --num-samples 100 --out samples/
+
+The model family and the data transform to undo are read from the checkpoint. Writes, in ``--out``:
+
+* ``samples.npy``: all N samples as one NumPy array ``[N, C, H, W]`` of images in [0, 1] (``float32``), written
+  batch by batch as they are drawn, so memory stays one batch whatever N. Read it with ``np.load(path)``, or
+  ``np.load(path, mmap_mode="r")`` to leave it on disk.
+* ``samples.png``: a grid of the first ``min(N, 100)`` samples.
+
+Both are written as ``.samples.partial.<pid>.npy`` / ``.png`` and renamed when complete, so an interrupted run
+never leaves a ``samples.npy`` that looks complete (an existing one from an earlier run is replaced only then).
+The same ``--seed`` and ``--batch-size`` give the same samples. Mistakes in the options (a missing or unreadable
+checkpoint, an ``--out`` that cannot be written, counts below 1, an unavailable device) are reported in one line
+with exit status 2, and nothing written; the output location is checked before the model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+
+from ..errors import ConfigError
+from ..lightning import CheckpointFamilyError, ScoreModule, load_module
+from ..lightning.cli import print_error, usage_error
+from .stream import GRID_SIZE, OutputError, check_output_dir, stream_samples
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser that reports mistakes in one line (no usage block), as train.py does."""
+
+    def error(self, message: str) -> NoReturn:
+        usage_error(message)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="path to a .ckpt written by train.py")
+    parser.add_argument("--num-samples", type=positive_int, default=64, help="number of samples N")
+    parser.add_argument("--out", required=True, help="output directory (created if missing)")
+    parser.add_argument("--batch-size", type=positive_int, default=256, help="samples drawn per call")
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu, cuda, cuda:N or mps (default: cuda when available)")
+    return parser.parse_args(argv)
+
+
+def check_device(name: str) -> torch.device:
+    """The device ``name``, or a usage error when it is malformed or not on this machine."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        usage_error(f"--device: {name!r} is not a device; use cpu, cuda, cuda:N or mps")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            usage_error(f"--device: {name!r} asked for, but CUDA is not available on this machine; use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            usage_error(f"--device: {name!r} does not exist ({torch.cuda.device_count()} CUDA device(s))")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        usage_error(f"--device: {name!r} asked for, but MPS is not available on this machine; use --device cpu")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        usage_error(f"--device: {name!r} is not supported; use cpu, cuda, cuda:N or mps")
+    return device
+
+
+def _core(err: BaseException) -> str:
+    """The gist of a torch.load error in a few words (its weights-only reports run to a dozen lines)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    marker = "WeightsUnpickler error:"
+    at = next((i for i, line in enumerate(lines) if marker in line), None)
+    if at is not None:  # the reason follows the marker, on its line or the next
+        rest = [lines[at].split(marker, 1)[1].strip(), *lines[at + 1 :]]
+        lines = [next(part for part in rest if part)]
+    gist = " ".join(lines).split(". ", 1)[0]  # the first sentence; the rest is advice on torch.load's options
+    return f"{type(err).__name__}: {gist}" if gist else type(err).__name__
+
+
+def one_line(err: BaseException) -> str:
+    """``err``'s message on one line, a wrapped torch error reduced to its gist."""
+    message, cause = str(err), err.__cause__
+    if cause is not None and message.endswith(str(cause)):  # "<what>: <torch's report>"
+        return f"{message[: len(message) - len(str(cause))].rstrip(': ')} ({_core(cause)})"
+    return " ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
+def load(checkpoint: str, device: torch.device) -> ScoreModule:
+    """The module in ``checkpoint``, or a one-line usage error naming what is wrong with the file."""
+    try:
+        return load_module(checkpoint, map_location=str(device)).eval()
+    except (FileNotFoundError, CheckpointFamilyError, ConfigError) as err:
+        usage_error(f"--checkpoint: {one_line(err)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = check_device(args.device)
+    if not Path(args.checkpoint).is_file():  # as load_module words it, but before the output is looked at
+        usage_error(f"--checkpoint: no checkpoint at {args.checkpoint}")
+    try:  # the output location is checked before the model is loaded or anything is drawn
+        check_output_dir(args.out)
+    except OutputError as err:
+        usage_error(f"--out: {err}")
+    module = load(args.checkpoint, device)
+    torch.manual_seed(args.seed)
+    try:
+        files = stream_samples(module.sample_images, args.num_samples, args.out, batch_size=args.batch_size)
+    except ConfigError as err:  # e.g. a model not trained on images: raised by the first draw, nothing written
+        usage_error(f"--checkpoint: {one_line(err)}")
+    except OSError as err:  # the disk filled up or the directory went away while writing
+        print_error(f"writing samples to {args.out} failed (partial files removed): {err}")
+        return 1
+    print(f"wrote {files.shape[0]} samples {list(files.shape[1:])} of the {module.family!r} model to {files.array} "
+          f"and a grid of the first {min(files.shape[0], GRID_SIZE)} to {files.grid}")
+    return 0
