@@ -1,9 +1,10 @@
 """Data: 8-bit image DataModules (one module per dataset, on the generic :class:`ImageDataModule`), the
-dequantisation/logit pre-processing and its :class:`ImageCodec`, an LMDB image cache and the MNIST loaders.
+dequantisation/logit pre-processing and its :class:`ImageCodec`, an LMDB image cache and the MNIST loaders; and
+the UCI density-estimation data sets of the DKEF experiments (:class:`UCIDataModule`).
 
 Layout: :mod:`.base` (``ImageDataModule``), :mod:`.datasets` (split, datasets, sampler), :mod:`.transforms`
 (pre-processing, bits/dim, ``ImageCodec``), :mod:`.lmdb_cache`, :mod:`.zarr` (zarr zip reader),
-:mod:`.errors` and one module per dataset (:mod:`.mnist`).
+:mod:`.errors` and one module per dataset (:mod:`.mnist`, :mod:`.uci`).
 """
 
 from deqscore.data.base import ImageDataModule
@@ -26,6 +27,7 @@ from deqscore.data.transforms import (
     preprocess,
     to_unit,
 )
+from deqscore.data.uci import UCIDataModule
 from deqscore.data.zarr import read_zarr_zip_array
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "LMDBImageDataset",
     "MNISTDataModule",
     "PreprocessedImageDataset",
+    "UCIDataModule",
     "bits_per_dim",
     "build_lmdb_cache",
     "check_transform",

@@ -3,11 +3,13 @@
 from .base import CheckpointFamilyError, NonFiniteLossError, ScoreModule, family_registry
 from .callbacks import LearningCurves, SampleGrid
 from .checkpoint import build_module, load_module
+from .dkef import DKEFModule
 from .nice import NICE_LOSSES, NICEModule
 
 __all__ = [
     "NICE_LOSSES",
     "CheckpointFamilyError",
+    "DKEFModule",
     "LearningCurves",
     "NICEModule",
     "NonFiniteLossError",

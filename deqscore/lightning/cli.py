@@ -192,6 +192,8 @@ class DeqscoreCLI(LightningCLI):
         parser.add_argument("--runs_root", type=str, default="checkpoints", help="folder holding run directories")
         parser.add_argument("--overwrite_run", type=bool, default=False,
                             help="a fresh fit into a run directory that holds a run moves the old run aside")
+        # the network's input dimension is the data's: one --data option switches data set and network together
+        parser.link_arguments("data", "model.init_args.net.init_args.dim", compute_fn=_data_dim, apply_on="instantiate")
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config
@@ -203,6 +205,14 @@ class DeqscoreCLI(LightningCLI):
         lr = ((cfg.get("optimizer") or {}).get("init_args") or {}).get("lr")
         if lr is not None and not (isinstance(lr, int | float) and math.isfinite(lr) and lr > 0):
             usage_error(f"optimizer.init_args.lr must be a positive finite number, got {lr!r}")
+
+
+def _data_dim(datamodule: Any) -> int:
+    dim = getattr(datamodule, "dim", None)
+    if not isinstance(dim, int):
+        raise ConfigError(f"{type(datamodule).__name__} has no integer `dim`: a deqscore data module states the "
+                          "dimension of one sample (the network's input)")
+    return dim
 
 
 def _chain(err: BaseException) -> list[BaseException]:
@@ -237,9 +247,13 @@ def _differences(saved: Any, given: Any, key: str) -> list[str]:
     how the fixed point is solved, not what it is)."""
     if _is_deq_config(saved) and _is_deq_config(given):
         return []
+    if given is None:  # not set in the config: filled in by a link (the network's dim) or left to its default
+        return []
     if isinstance(saved, dict) and isinstance(given, dict):
         return [d for k in sorted(set(saved) | set(given))
                 for d in _differences(saved.get(k), given.get(k), f"{key}.{k}")]
+    if isinstance(saved, list | tuple) and isinstance(given, list | tuple):  # YAML lists vs Python tuples
+        saved, given = list(saved), list(given)
     return [] if saved == given else [f"{key}: checkpoint {saved!r}, config {given!r}"]
 
 
@@ -264,7 +278,7 @@ def checkpoint_conflicts(ckpt: dict[str, Any], cfg: Namespace) -> list[str]:
 def main(args: list[str] | None = None) -> DeqscoreCLI:
     """Entry point of ``train.py``."""
     # Importing the families registers them as subclasses of ScoreModule for class_path lookup.
-    from . import nice  # noqa: F401
+    from . import dkef, nice  # noqa: F401
 
     return DeqscoreCLI(args=args)
 

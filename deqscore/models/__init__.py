@@ -1,10 +1,18 @@
 """Plain ``nn.Module`` networks (no Lightning): NICE flows with explicit or DEQ coupling networks, and NICE's
-own losses (maximum likelihood, Kingma and curvature-propagation approximate backprop)."""
+own losses (maximum likelihood, Kingma and curvature-propagation approximate backprop); DKEF, the deep kernel
+exponential family with its closed-form coefficient solve."""
 
+from .dkef import ALPHA_OBJECTIVES, DKEF, DKEF_FEATURE_NETS, DEQFeatureBody, DKEFDEQMap, DKEFFeatureNet
 from .nice import M_NETS, NICE, DEQFactory, DEQMNet, NICEDEQMap, explicit_mlp
 from .nice_losses import CurvaturePropagationSM, KingmaSM, MaximumLikelihood, NICEObjective
 
 __all__ = [
+    "ALPHA_OBJECTIVES",
+    "DKEF",
+    "DKEF_FEATURE_NETS",
+    "DEQFeatureBody",
+    "DKEFDEQMap",
+    "DKEFFeatureNet",
     "M_NETS",
     "NICE",
     "CurvaturePropagationSM",

@@ -13,13 +13,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
 
-_TINY_DATA = [
-    "--data.init_args.batch_size", "16",
-    "--data.init_args.eval_batch_size", "16",
-    "--data.init_args.train_subset", "48",
-    "--data.init_args.val_subset", "16",
-    "--data.init_args.test_subset", "16",
-]
+_TINY_BATCHES = ["--data.init_args.batch_size", "16", "--data.init_args.eval_batch_size", "16"]
 _TINY_TRAINER = [
     "--trainer.enable_progress_bar", "false",
     "--trainer.enable_model_summary", "false",
@@ -30,15 +24,32 @@ _TINY_TRAINER = [
 def _nice_tiny(config: dict) -> list[str]:
     net = "--model.init_args.net.init_args"
     args = [f"{net}.hidden", "12", f"{net}.n_layers", "3", f"{net}.n_couplings", "2",
-            "--model.init_args.exact_sm_samples", "4"]
+            "--model.init_args.exact_sm_samples", "4", "--data.init_args.train_subset", "48",
+            "--data.init_args.val_subset", "16", "--data.init_args.test_subset", "16"]
     if config["model"]["init_args"]["net"]["init_args"].get("deq"):
         args += [f"{net}.deq.init_args.max_iter", "40", f"{net}.deq.init_args.tol", "1e-5"]
+    return args
+
+
+UCI_DATA = ROOT.parent / "shared" / "data"  # the UCI files beside the project (never copied into it)
+
+
+def _dkef_tiny(config: dict) -> list[str]:
+    net = "--model.init_args.net.init_args"
+    args = [f"{net}.n_centres", "8", f"{net}.hidden", "6", "--model.init_args.alpha_points", "40",
+            "--model.init_args.log_z_samples", "2000", "--model.init_args.final_log_z_samples", "2000",
+            "--model.init_args.log_z_chunk", "500", "--model.init_args.final_lambda_steps", "2",
+            "--model.init_args.exact_sm_batches", "1", "--data.init_args.root", str(UCI_DATA),
+            "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2"]
+    if config["model"]["init_args"]["net"]["init_args"].get("deep_layers"):
+        args += [f"{net}.deep_layers", "4"]
     return args
 
 
 #: family -> (its configs, a function giving the overrides that shrink one of them to seconds on a CPU)
 FAMILY_TINY = {
     "nice": ([*sorted((ROOT / "configs" / "nice").glob("*.yaml")), ROOT / "configs" / "demo.yaml"], _nice_tiny),
+    "dkef": (sorted((ROOT / "configs" / "dkef").glob("*.yaml")), _dkef_tiny),
 }
 
 
@@ -52,7 +63,7 @@ def tiny_args(tmp_path: Path, config: str | Path = "configs/nice/deq.yaml", run_
     path = ROOT / config
     shrink = FAMILY_TINY[family_of(path)][1]
     return ["--config", str(path), "--run_name", run_name, "--runs_root", str(tmp_path),
-            *shrink(yaml.safe_load(path.read_text())), *_TINY_DATA, *_TINY_TRAINER]
+            *shrink(yaml.safe_load(path.read_text())), *_TINY_BATCHES, *_TINY_TRAINER]
 
 
 @pytest.fixture

@@ -38,7 +38,7 @@ def test_every_config_parses_and_instantiates(config, tmp_path):
     assert str(cli.trainer.default_root_dir).startswith(str(tmp_path))
     assert cli.datamodule is not None  # every config is complete on its own
     assert any(isinstance(c, ModelCheckpoint) and c.save_last for c in cli.trainer.callbacks)
-    assert cli.datamodule.bits_per_dim_exact  # the exact (invertible) pipeline by default
+    assert getattr(cli.datamodule, "bits_per_dim_exact", True)  # image data: the exact (invertible) pipeline
     optimizer = yaml.safe_load(config.read_text())["optimizer"]
     configured = model.configure_optimizers()
     opt = configured["optimizer"] if isinstance(configured, dict) else configured
@@ -55,7 +55,8 @@ def test_print_config_shows_the_whole_resolved_tree(config, capsys):
         main(["fit", "--config", str(config), "--print_config"])
     printed = yaml.safe_load(capsys.readouterr().out)
     net = printed["model"]["init_args"]["net"]
-    assert net["class_path"] and "dim" in net["init_args"]  # defaults resolved, not only what the file says
+    assert net["class_path"] and "hidden" in net["init_args"]  # defaults resolved, not only what the file says
+    assert "dim" not in net["init_args"]  # linked: the network's input dimension is the data module's
     if net["init_args"].get("deq"):
         assert {"solver", "tol", "phantom_steps", "ift_tol"} <= set(net["init_args"]["deq"]["init_args"])
     assert "betas" in printed["optimizer"]["init_args"]
@@ -69,9 +70,14 @@ def test_fast_dev_run_checkpoint_rebuilds_the_module_and_samples_images(config, 
     ckpt = tmp_path / "f" / "checkpoints" / "last.ckpt"
     module = load_module(ckpt)  # the checkpoint alone
     assert isinstance(module, ScoreModule) and type(module) is type(cli.model)
-    trained = cli.model.state_dict()
-    assert all(torch.equal(v.cpu(), trained[k].cpu()) for k, v in module.state_dict().items())
+    saved = torch.load(ckpt, weights_only=True)["state_dict"]
+    assert module.state_dict().keys() == saved.keys()
+    assert all(torch.equal(v.cpu(), saved[k]) for k, v in module.state_dict().items())
     assert module.image_codec == cli.datamodule.codec
+    if module.image_codec is None:  # not image data: no sample grids, and a clear refusal
+        with pytest.raises(ValueError, match="has no image codec"):
+            module.sample_images(3)
+        return
     torch.manual_seed(0)
     images = module.eval().sample_images(3)
     assert images.shape == (3, *cli.datamodule.image_shape) and images.min() >= 0 and images.max() <= 1

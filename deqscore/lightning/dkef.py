@@ -1,0 +1,209 @@
+"""Deep kernel exponential families (DKEF) on UCI data, with explicit or DEQ feature networks (docs/method.md 4.2).
+
+Training is two-stage (Wenliang et al. 2019): each step solves the kernel coefficients alpha in closed form on one
+half of the batch (differentiably) and evaluates the score-matching loss on the other half; after every step the
+stored alpha is refreshed from ``alpha_points`` random training points, and validation scores the model with it.
+At the end of fit the best checkpoint is restored, alpha is solved on the whole training set, ``log_lambda`` alone is
+fine-tuned on validation batches, and the result is saved as ``checkpoints/final.ckpt``.
+
+Validation and test log the loss, the exact score-matching loss (``exact_sm``) and the log-likelihood, with log Z
+estimated by importance sampling (``log_z``, ``log_z_stderr``); on the synthetic ``highdim`` data also the Fisher
+divergence to the true N(0, I) and the true log-likelihood of the same points.
+
+Config::
+
+    model:
+      class_path: deqscore.lightning.DKEFModule
+      init_args:
+        net: {class_path: deqscore.models.DKEF, init_args: {feature_net: deq}}   # dim comes from the data
+        loss: ssm_vr
+    data: {class_path: deqscore.data.UCIDataModule, init_args: {dataset: redwine}}
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+
+from ..deq import deq_backward
+from ..errors import ConfigError, check_count, check_real
+from ..losses import DSM, SSM, SSMVR, ExactSM, ScoreLoss, build_loss, exact_score_matching
+from ..models import DKEF
+from .base import ScoreModule
+
+DKEF_LOSSES = ("exact", "ssm", "ssm_vr", "dsm")
+FINAL_STAGE_SEED = 0  # random draws of the final alpha system (projections or noise)
+
+
+def alpha_objective(loss: ScoreLoss) -> dict[str, Any]:
+    """The closed-form alpha system that matches ``loss`` (docs/method.md 3.7)."""
+    if isinstance(loss, SSMVR):  # before SSM: a subclass
+        return {"objective": "sliced_vr", "projection": loss.projection}
+    if isinstance(loss, SSM):
+        return {"objective": "sliced", "projection": loss.projection}
+    if isinstance(loss, ExactSM):
+        return {"objective": "exact"}
+    if isinstance(loss, DSM):
+        return {"objective": "dsm", "sigma": loss.sigma}
+    raise ConfigError(f"loss: DKEF has a closed-form alpha for {', '.join(DKEF_LOSSES)}, not {loss!r}")
+
+
+class DKEFModule(ScoreModule):
+    """LightningModule around :class:`deqscore.models.DKEF`."""
+
+    family = "dkef"
+
+    def __init__(
+        self,
+        net: DKEF,  # the kernel model, with its feature network and DEQ options
+        loss: Literal["exact", "ssm", "ssm_vr", "dsm"] | ScoreLoss = "ssm_vr",  # also fixes the alpha system
+        alpha_points: int = 1000,  # training points alpha is refreshed from after every step
+        log_z_samples: int = 250_000,  # importance samples of log Z at each validation
+        final_log_z_samples: int = 1_000_000,  # ... at test time
+        log_z_chunk: int = 10_000,  # samples per chunk (memory: chunk x centres)
+        final_lambda_steps: int = 1000,  # Adam steps on log_lambda alone at the end of fit (0: none)
+        final_lambda_lr: float = 1e-3,  # their learning rate
+        exact_sm_batches: int = -1,  # val/test batches on which exact SM is computed (-1: all)
+    ):
+        super().__init__()
+        self.net = net
+        self.loss = build_loss(loss, ScoreLoss, key="loss")
+        self.alpha_kwargs = alpha_objective(self.loss)
+        for key, value in (("alpha_points", alpha_points), ("log_z_samples", log_z_samples),
+                           ("final_log_z_samples", final_log_z_samples), ("log_z_chunk", log_z_chunk)):
+            check_count(key, value)
+        check_count("final_lambda_steps", final_lambda_steps, low=0)
+        check_real("final_lambda_lr", final_lambda_lr)
+        # alpha itself takes input derivatives of the kernels, and the loss differentiates the score once more
+        self.refuse_ift(1 + self.loss.input_derivatives, self.loss)
+        self.alpha_points, self.log_z_chunk = alpha_points, log_z_chunk
+        self.log_z_samples, self.final_log_z_samples = log_z_samples, final_log_z_samples
+        self.final_lambda_steps, self.final_lambda_lr = final_lambda_steps, final_lambda_lr
+        self.exact_sm_batches = exact_sm_batches
+        self._log_z: tuple[float, float] | None = None
+
+    # ----- data -----------------------------------------------------------------------------------------------
+    def _datamodule(self) -> Any:
+        return getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        datamodule = self._datamodule()
+        if stage == "fit" and datamodule is not None:  # a resumed run then restores its trained centres
+            self.net.init_centres(datamodule.train_data, torch.Generator().manual_seed(0))
+
+    def alpha_system(self, x: torch.Tensor, create_graph: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(G, b)`` of the loss on ``x``. The model's DSM system is that of the sigma^4-weighted loss; it is
+        rescaled to the weighting the loss uses, so alpha minimises the very loss that is trained."""
+        g, b = self.net.alpha_system(x, create_graph=create_graph, **self.alpha_kwargs)
+        if isinstance(self.loss, DSM):
+            scale = self.loss.sigma ** {"none": -4, "sigma2": -2, "sigma4": 0}[self.loss.weighting]
+            g, b = g * scale, b * scale
+        return g, b
+
+    def solve_alpha(self, x: torch.Tensor, create_graph: bool) -> torch.Tensor:
+        """Alpha minimising the loss on ``x`` plus the ridge ``10^log_lambda |alpha|^2 / 2``."""
+        return self.net.alpha_from_system(*self.alpha_system(x, create_graph), differentiable=create_graph)
+
+    def _refresh_alpha(self, seed: int) -> None:
+        """Solve alpha on ``alpha_points`` random training points (seeded by the step: exact resume)."""
+        datamodule = self._datamodule()
+        if datamodule is None:
+            return
+        points = datamodule.train_subset(self.alpha_points, torch.Generator().manual_seed(seed)).to(self.device)
+        with torch.enable_grad():
+            alpha = self.solve_alpha(points, create_graph=False)
+        self.net.set_alpha(alpha.detach())
+
+    # ----- training -------------------------------------------------------------------------------------------
+    def score_with(self, alpha: torch.Tensor | None):
+        return lambda x: self.net.score(x, alpha)
+
+    def compute_loss(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:  # evaluation: the stored alpha, refreshed from training points
+            return self.loss(self.score_with(None), x)
+        if len(x) < 2:
+            raise ConfigError("DKEF training needs batches of at least 2 points (alpha on one half, loss on the other)")
+        half = len(x) // 2
+        alpha = self.solve_alpha(x[:half], create_graph=True)
+        return self.loss(self.score_with(alpha), x[half:])
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._refresh_alpha(seed=self.global_step)
+
+    # ----- evaluation -----------------------------------------------------------------------------------------
+    def _estimate_log_z(self, n_samples: int) -> None:
+        generator = torch.Generator(device=self.device).manual_seed(12345)
+        log_z, stderr = self.net.log_partition(n_samples=n_samples, chunk=self.log_z_chunk, generator=generator)
+        self._log_z = (float(log_z), float(stderr))
+
+    def on_validation_epoch_start(self) -> None:
+        super().on_validation_epoch_start()
+        self._estimate_log_z(self.log_z_samples)
+
+    def on_test_epoch_start(self) -> None:
+        super().on_test_epoch_start()
+        self._estimate_log_z(self.final_log_z_samples)
+
+    def eval_metrics(self, x: torch.Tensor, stage: str, batch_idx: int) -> dict[str, torch.Tensor]:
+        metrics: dict[str, Any] = {}
+        if self._log_z is not None:
+            log_z, stderr = self._log_z
+            metrics |= {"log_likelihood": (self.net.log_density(x).detach() - log_z).mean(), "log_z": log_z,
+                        "log_z_stderr": stderr}
+        if self.exact_sm_batches < 0 or batch_idx < self.exact_sm_batches:
+            with deq_backward(self.net, "unroll"):  # the model as solved to tolerance (see NICEModule)
+                metrics["exact_sm"] = exact_score_matching(self.score_with(None), x, create_graph=False).mean()
+        datamodule = self._datamodule()
+        true_score = getattr(datamodule, "true_score", None)
+        if true_score is not None and true_score(x) is not None:
+            xg = x.detach().requires_grad_(True)
+            with deq_backward(self.net, "unroll"):
+                model_score = self.net.score(xg).detach()
+            metrics["fisher_divergence"] = 0.5 * (model_score - true_score(x)).pow(2).sum(1).mean()
+            metrics["true_log_likelihood"] = datamodule.true_log_prob(x).mean()
+        return metrics
+
+    # ----- the final stage ------------------------------------------------------------------------------------
+    def on_train_end(self) -> None:
+        """Restore the best checkpoint, solve alpha on the whole training set, fine-tune ``log_lambda`` alone on
+        validation batches and save ``checkpoints/final.ckpt``."""
+        trainer, datamodule = self.trainer, self._datamodule()
+        if datamodule is None or trainer.fast_dev_run:  # a smoke run has no best model to finish
+            return
+        best = getattr(trainer.checkpoint_callback, "best_model_path", "")
+        if best:
+            state = torch.load(best, map_location=self.device, weights_only=True)["state_dict"]
+            self.load_state_dict(state)
+        self._tune_log_lambda(datamodule)
+        if trainer.is_global_zero and trainer.checkpoint_callback is not None:
+            from .callbacks import run_dir
+
+            trainer.save_checkpoint(run_dir(trainer) / "checkpoints" / "final.ckpt")
+
+    def _tune_log_lambda(self, datamodule: Any) -> None:
+        train = datamodule.train_data.to(self.device)
+        with torch.random.fork_rng(), torch.enable_grad():  # seeded projections: a reproducible final model
+            torch.manual_seed(FINAL_STAGE_SEED)
+            g, b = (t.detach() for t in self.alpha_system(train, create_graph=False))
+        optimizer = torch.optim.Adam([self.net.log_lambda], lr=self.final_lambda_lr)
+        val = datamodule.val_data.to(self.device)
+        generator = torch.Generator().manual_seed(0)
+        batch = min(len(val), datamodule.eval_batch_size)
+        for _ in range(self.final_lambda_steps):
+            x = val[torch.randperm(len(val), generator=generator)[:batch].to(self.device)]
+            with torch.enable_grad():
+                alpha = self.net.alpha_from_system(g, b)
+                loss = self.loss(self.score_with(alpha), x).mean()
+                optimizer.zero_grad()
+                loss.backward()
+            optimizer.step()
+        with torch.no_grad():
+            self.net.set_alpha(self.net.alpha_from_system(g, b))
+        if not math.isfinite(float(self.net.log_lambda)):
+            raise ConfigError("log_lambda became non-finite while fine-tuned: lower final_lambda_lr")
+
+
+__all__ = ["DKEF_LOSSES", "DKEFModule", "alpha_objective"]

@@ -1,0 +1,542 @@
+"""DKEF: deep kernel exponential family with a closed-form coefficient solve (docs/method.md sections 3.7, 4.2).
+
+``log p~(x) = q0(x) + sum_j softmax(beta)_j sum_m alpha_m k_j(x, z_m)`` with ``q0(x) = -||x||^2 / (2 q0_std^2)``
+and three Gaussian kernels ``k_j(x, z) = exp(-||phi_j(x) - phi_j(z)||^2 / (2 * 10^{l_j}))`` on learned features
+``phi_j`` (a shallow MLP, a deep MLP or a DEQ, each plus a bias-free linear skip). The log-density is linear in
+``alpha``, so every score-matching loss is quadratic in it: :meth:`DKEF.alpha_system` builds ``(G, b)`` and
+:meth:`DKEF.solve_alpha` solves ``(G + 10^log_lambda I) alpha = -b``, differentiably, so that a loss measured on
+other data trains the features, centres and kernel parameters through ``alpha`` (the two-stage scheme).
+
+Derivatives of the kernels are taken in closed form from those of the features, which autograd computes once per
+kernel with ``create_graph=True``. With ``r = phi(x) - phi(z_m)``, ``s = 10^l``, ``J = d phi / dx``:
+``grad k = -(k/s) J^T r`` and ``lap k = (k/s^2) ||J^T r||^2 - (k/s) (||J||_F^2 + r . lap phi)``.
+
+Cost of one alpha system, per feature net (three of them), besides one forward on the batch and one on the M
+centres, in backward-pass equivalents on the batch (batched passes use ``is_grads_batched``): ``exact`` about
+``1 + min(D, h) + 2 D`` (Jacobian columns, a D-batched Hessian trace for the Laplacian and a backward through it),
+``sliced`` 4 whatever D, ``sliced_vr`` ``min(D, h) + 4``, ``dsm`` ``min(D, h) + 1``; the kernel algebra adds
+``O(D B M h + D B M^2)``. A batched pass holds its batch size times the activations. The parameter gradient of a
+loss through ``alpha`` (two-stage training) roughly doubles all of it. ``exact`` suits UCI sizes (D <= 15); for
+large D use ``sliced``.
+
+>>> import torch
+>>> model = DKEF(dim=3, n_centres=8, hidden=6, feature_net="shallow").double()
+>>> x = torch.randn(20, 3, dtype=torch.float64)
+>>> model.init_centres(x)
+>>> model.set_alpha(model.solve_alpha(x, "exact", create_graph=False))
+>>> model.score(x[:4]).shape
+torch.Size([4, 3])
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from collections.abc import Iterator
+from typing import Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm import tqdm
+
+from ..deq import DEQ, frobenius_scale
+from ..errors import ConfigError, check_count, check_real, choice_error
+from ..losses.score_matching import PROJECTIONS, random_projections
+from .nice import DEQFactory
+
+DKEF_FEATURE_NETS = ("shallow", "deep", "deq")
+ALPHA_OBJECTIVES = ("exact", "sliced", "sliced_vr", "dsm")
+N_KERNELS = 3
+_DRAW_BLOCK = 1024  # proposal rows drawn per generator call: the samples do not depend on the chunk size
+
+
+class DKEFDEQMap(nn.Module):
+    """Linear fixed-point map of the DEQ feature net: ``F(z, u) = W z / w + u``, ``W`` h x h without bias.
+
+    ``w = (1 + 1e-6) (||W||_F + 1e-6)``, recomputed from the current weight on every call, so ``||W / w||_2 < 1``
+    and ``F`` is a contraction in ``z`` (docs/method.md section 2.2); ``grad_through_norm`` decides whether
+    autograd differentiates ``w``.
+    """
+
+    def __init__(self, hidden: int, grad_through_norm: bool = False):
+        super().__init__()
+        self.lin = nn.Linear(hidden, hidden, bias=False)
+        self.grad_through_norm = grad_through_norm
+
+    def scaled_weight(self) -> Tensor:
+        """``W / w``."""
+        return frobenius_scale(self.lin.weight, c=1 + 1e-6, eps=1e-6, grad_through_norm=self.grad_through_norm)
+
+    def forward(self, z: Tensor, u: Tensor) -> Tensor:
+        return F.linear(z, self.scaled_weight()) + u
+
+
+class DEQFeatureBody(nn.Module):
+    """DEQ feature body: ``u = SP(Linear(d, h) x)``, output the fixed point ``z* = W z* / w + u``."""
+
+    def __init__(self, dim: int, hidden: int, deq: DEQFactory, grad_through_norm: bool = False):
+        super().__init__()
+        self.inject = nn.Linear(dim, hidden)
+        self.deq = deq(DKEFDEQMap(hidden, grad_through_norm))
+
+    def injection(self, x: Tensor) -> Tensor:
+        return F.softplus(self.inject(x))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.deq(self.injection(x))
+
+
+def softplus_mlp(dims: list[int]) -> nn.Sequential:
+    """Linear layers ``dims[0] -> dims[1] -> ...`` with Softplus between them (none after the last)."""
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
+        if i:
+            layers.append(nn.Softplus())
+        layers.append(nn.Linear(a, b))
+    return nn.Sequential(*layers)
+
+
+class DKEFFeatureNet(nn.Module):
+    """Feature map ``phi(x) = body(x) + skip(x)`` with a bias-free ``skip = Linear(dim, hidden)``.
+
+    ``body``: ``"shallow"`` Linear(d,h) SP Linear(h,h) SP Linear(h,h); ``"deep"`` Linear(d,h) then
+    ``deep_layers - 1`` times [SP, Linear(h,h)]; ``"deq"`` :class:`DEQFeatureBody`.
+    """
+
+    def __init__(self, dim: int, hidden: int, kind: str, deep_layers: int, deq: DEQFactory,
+                 grad_through_norm: bool):
+        super().__init__()
+        if kind == "shallow":
+            self.body: nn.Module = softplus_mlp([dim, hidden, hidden, hidden])
+        elif kind == "deep":
+            self.body = softplus_mlp([dim] + [hidden] * deep_layers)
+        else:
+            self.body = DEQFeatureBody(dim, hidden, deq, grad_through_norm)
+        self.skip = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.body(x) + self.skip(x)
+
+
+class _FeatureDerivs(NamedTuple):
+    """Per-sample features ``f = phi(x)`` [B, h] and the input derivatives asked for."""
+
+    f: Tensor
+    cols: Tensor | None  # [D, B, h]: J e_d, the Jacobian columns
+    lap: Tensor | None  # [B, h]: sum_d d^2 phi / dx_d^2
+    fv: Tensor | None  # [B, h]: J v
+    fvv: Tensor | None  # [B, h]: v^T (d^2 phi / dx^2) v, per feature
+
+
+class _KernelDerivs(NamedTuple):
+    """Input derivatives of the kernel mixture ``k(x) = sum_j pi_j k_j(x, z_.)`` [B, M]."""
+
+    grad: Tensor | None  # [D, B, M]: d k / d x_d
+    lap: Tensor | None  # [B, M]: Laplacian
+    gv: Tensor | None  # [B, M]: grad k . v
+    vhv: Tensor | None  # [B, M]: v^T hess k v
+
+
+def _grad(out: Tensor, inp: Tensor, grad_outputs: Tensor | None = None, batched: bool = False) -> Tensor:
+    """``d out / d inp`` with ``create_graph=True``; an unused input gives zeros."""
+    (g,) = torch.autograd.grad(out, inp, grad_outputs, create_graph=True, is_grads_batched=batched,
+                               materialize_grads=True)
+    return g
+
+
+def _unit_directions(n: int, like: Tensor) -> Tensor:
+    """``[n, B, n]``: the n unit vectors, the same for every sample (grad outputs of a batched pass)."""
+    eye = torch.eye(n, dtype=like.dtype, device=like.device)
+    return eye[:, None, :].expand(n, like.shape[0], n)
+
+
+def _jacobian_columns(f: Tensor, x: Tensor, g: Tensor, u: Tensor) -> Tensor:
+    """``[D, B, h]`` columns of ``J = d f / d x`` with ``min(D, h)`` batched passes; ``g = J^T u`` is linear in u."""
+    d, h = x.shape[1], f.shape[1]
+    if d <= h:  # J e_d = d (J^T u . e_d) / du
+        return _grad(g, u, _unit_directions(d, x), batched=True)
+    return _grad(f, x, _unit_directions(h, f), batched=True).permute(2, 1, 0)  # rows of J, transposed
+
+
+def feature_derivatives(phi: nn.Module, x: Tensor, cols: bool, lap: bool, v: Tensor | None) -> _FeatureDerivs:
+    """Features of ``x`` (a leaf requiring grad) and their input derivatives, all with ``create_graph=True``.
+
+    Forward-mode quantities come from the double-backward trick: ``g = J^T u`` with a dummy ``u`` is linear in
+    ``u``, so ``d(g . a)/du = J a``. ``lap``: ``u . lap phi = tr(d g / d x)`` (one D-batched pass), then ``d/du``.
+    ``v``: ``u^T (H v) = d(g . v)/dx``, so ``v^T H v = d((d(g . v)/dx) . v)/du``. Samples must not interact.
+    """
+    f = phi(x)
+    u = torch.zeros_like(f, requires_grad=True)
+    g = _grad(f, x, u)  # [B, D] = J^T u
+    out_cols = _jacobian_columns(f, x, g, u) if cols else None
+    out_lap = None
+    if lap:
+        hess_g = _grad(g, x, _unit_directions(x.shape[1], x), batched=True)  # [D, B, D]: rows of d g / dx
+        out_lap = _grad(hess_g.diagonal(dim1=0, dim2=2).sum(), u)
+    fv = fvv = None
+    if v is not None:
+        gv = (g * v).sum()
+        fv, hv = _grad(gv, u), _grad(gv, x)
+        fvv = _grad((hv * v).sum(), u)
+    return _FeatureDerivs(f, out_cols, out_lap, fv, fvv)
+
+
+def _dot_residual(t: Tensor, f: Tensor, c: Tensor) -> Tensor:
+    """``(f_b - c_m) . t_b`` for ``t`` [..., B, h], ``f`` [B, h], ``c`` [M, h]: [..., B, M], no [B, M, h] tensor."""
+    return (t * f).sum(-1, keepdim=True) - t @ c.T
+
+
+def _gauss_kernel(f: Tensor, c: Tensor, scale: Tensor) -> Tensor:
+    """``exp(-||f_b - c_m||^2 / (2 scale))`` [B, M], by the expansion ``|f|^2 + |c|^2 - 2 f.c``."""
+    sq = f.pow(2).sum(1, keepdim=True) + c.pow(2).sum(1) - 2 * f @ c.T
+    return torch.exp(-sq.clamp_min(0) / (2 * scale))
+
+
+def _one_kernel_derivs(fd: _FeatureDerivs, c: Tensor, s: Tensor) -> _KernelDerivs:
+    """Closed-form input derivatives of one Gaussian kernel from those of its features (module docstring)."""
+    k = _gauss_kernel(fd.f, c, s)
+    grad = lap = gv = vhv = None
+    if fd.cols is not None:
+        a = _dot_residual(fd.cols, fd.f, c)  # [D, B, M]: r . J e_d
+        grad = -k / s * a
+        if fd.lap is not None:
+            jac_sq = fd.cols.pow(2).sum((0, 2)).unsqueeze(1)  # ||J||_F^2, [B, 1]
+            lap = k / s**2 * a.pow(2).sum(0) - k / s * (jac_sq + _dot_residual(fd.lap, fd.f, c))
+    if fd.fv is not None:
+        av = _dot_residual(fd.fv, fd.f, c)  # [B, M]: r . J v
+        gv = -k / s * av
+        vhv = k / s**2 * av.pow(2) - k / s * (fd.fv.pow(2).sum(1, keepdim=True) + _dot_residual(fd.fvv, fd.f, c))
+    return _KernelDerivs(grad, lap, gv, vhv)
+
+
+def _weighted_sum(parts: list[Tensor | None], weights: Tensor) -> Tensor | None:
+    if parts[0] is None:
+        return None
+    return sum(w * p for w, p in zip(weights, parts, strict=True))
+
+
+def _check_options(dim: int, n_centres: int, hidden: int, feature_net: str, deep_layers: int, q0_std: float,
+                   log_lambda: float, kernel_log_scales: tuple[float, ...]) -> None:
+    """Raise :class:`ConfigError` naming the first DKEF option out of range."""
+    if feature_net not in DKEF_FEATURE_NETS:
+        raise choice_error("DKEF feature_net", feature_net, DKEF_FEATURE_NETS)
+    check_count("DKEF dim", dim)
+    check_count("DKEF n_centres", n_centres)
+    check_count("DKEF hidden", hidden)
+    check_count("DKEF deep_layers", deep_layers, low=2, why=" (Linear layers of the deep feature net)")
+    check_real("DKEF q0_std", q0_std)
+    _check_finite("DKEF log_lambda", log_lambda)
+    if not isinstance(kernel_log_scales, tuple | list) or len(kernel_log_scales) != N_KERNELS:
+        raise ConfigError(f"DKEF kernel_log_scales must be {N_KERNELS} numbers, got {kernel_log_scales!r}")
+    for value in kernel_log_scales:
+        _check_finite("DKEF kernel_log_scales", value)
+
+
+def _check_finite(key: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number, got {value!r}")
+
+
+def _init_normal_fan_out(module: nn.Module) -> None:
+    """Weights and biases of every Linear layer ~ N(0, 1/fan_out) (the reference DKEF init)."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            std = m.out_features**-0.5
+            nn.init.normal_(m.weight, 0.0, std)
+            if m.bias is not None:
+                nn.init.normal_(m.bias, 0.0, std)
+
+
+class DKEF(nn.Module):
+    """Deep kernel exponential family (docs/method.md section 4.2); see the module docstring.
+
+    Args:
+        dim: data dimension D.
+        n_centres: M, trainable kernel centres (call :meth:`init_centres` with training data).
+        hidden: feature width h.
+        feature_net: ``"shallow"``, ``"deep"`` or ``"deq"`` feature nets (one per kernel).
+        deep_layers: Linear layers of a ``"deep"`` feature net.
+        deq: the DEQ layer of a ``"deq"`` feature net, called with its fixed-point map (default: DEQ's own
+            options); ``backward="ift"`` is refused, as every DKEF loss is second-order through the layer.
+        grad_through_norm: differentiate the Frobenius normaliser ``w`` of the DEQ map.
+        q0_std: standard deviation of the Gaussian base ``q0``.
+        log_lambda: initial log10 ridge of the alpha solve (a trainable parameter).
+        kernel_log_scales: initial ``l_j`` of the three kernels (trainable).
+    """
+
+    def __init__(
+        self,
+        dim: int,  # data dimension D
+        n_centres: int = 200,  # M trainable centres z_m
+        hidden: int = 30,  # feature width h
+        feature_net: Literal["shallow", "deep", "deq"] = "deq",  # feature network of each kernel
+        deep_layers: int = 16,  # Linear layers of feature_net="deep"
+        deq: DEQFactory | None = None,  # DEQ layer options (feature_net="deq"); None: DEQ's defaults
+        grad_through_norm: bool = False,  # differentiate the DEQ map's Frobenius normaliser (reference: no)
+        q0_std: float = 2.0,  # base density q0 = N(0, q0_std^2 I), unnormalised
+        log_lambda: float = -2.0,  # initial log10 ridge of the alpha solve
+        kernel_log_scales: tuple[float, float, float] = (0.0, 0.5185, 0.5185),  # initial l_j, bandwidth 10^l_j
+    ):
+        super().__init__()
+        _check_options(dim, n_centres, hidden, feature_net, deep_layers, q0_std, log_lambda, kernel_log_scales)
+        self.dim, self.n_centres, self.feature_net, self.q0_std = dim, n_centres, feature_net, float(q0_std)
+        self.features = nn.ModuleList(
+            DKEFFeatureNet(dim, hidden, feature_net, deep_layers, deq or DEQ, grad_through_norm)
+            for _ in range(N_KERNELS)
+        )
+        _init_normal_fan_out(self.features)
+        self._refuse_ift()
+        self.centres = nn.Parameter(torch.randn(n_centres, dim))
+        self.kernel_log_scales = nn.Parameter(torch.tensor([float(v) for v in kernel_log_scales]))
+        self.beta = nn.Parameter(torch.zeros(N_KERNELS))
+        self.log_lambda = nn.Parameter(torch.tensor(float(log_lambda)))
+        self.register_buffer("alpha", torch.zeros(n_centres))
+
+    def _refuse_ift(self) -> None:
+        for m in self.features.modules():
+            if isinstance(m, DEQ) and m.backward == "ift":
+                raise ConfigError(
+                    "DKEF deq backward='ift' cannot be used: the alpha solve and every DKEF loss take second "
+                    "derivatives through the feature net; use backward='phantom' or 'unroll'"
+                )
+
+    # ---------------------------------------------------------------- inputs and coefficients
+
+    def _check_x(self, x: Tensor, finite: bool = False) -> Tensor:
+        if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != self.dim:
+            shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"DKEF expects inputs of shape [B, {self.dim}], got {shape}")
+        if finite and not torch.isfinite(x).all():
+            raise ValueError(f"the input to DKEF contains {int((~torch.isfinite(x)).sum())} non-finite values")
+        return x
+
+    def _alpha(self, alpha: Tensor | None) -> Tensor:
+        alpha = self.alpha if alpha is None else alpha
+        if alpha.shape != (self.n_centres,):
+            raise ValueError(f"alpha must have shape [{self.n_centres}] (one per centre), got {tuple(alpha.shape)}")
+        return alpha
+
+    @torch.no_grad()
+    def init_centres(self, x: Tensor, generator: torch.Generator | None = None) -> None:
+        """Set the centres to ``n_centres`` distinct random rows of the training data ``x``."""
+        self._check_x(x, finite=True)
+        if x.shape[0] < self.n_centres:
+            raise ValueError(f"init_centres needs at least n_centres={self.n_centres} rows, got {x.shape[0]}")
+        idx = torch.randperm(x.shape[0], generator=generator, device=generator.device if generator else "cpu")
+        self.centres.copy_(x[idx[: self.n_centres].to(x.device)])
+
+    @torch.no_grad()
+    def set_alpha(self, alpha: Tensor) -> None:
+        """Store ``alpha`` (detached) as the model's current coefficients, used when ``alpha`` is not given."""
+        alpha = self._alpha(alpha)
+        if not torch.isfinite(alpha).all():
+            raise ValueError("set_alpha: alpha contains non-finite values")
+        self.alpha.copy_(alpha.detach())
+
+    # ---------------------------------------------------------------- density
+
+    def q0(self, x: Tensor) -> Tensor:
+        """Unnormalised Gaussian base ``-||x||^2 / (2 q0_std^2)``, [B]."""
+        return -x.pow(2).sum(1) / (2 * self.q0_std**2)
+
+    def _centre_features(self) -> list[Tensor]:
+        return [phi(self.centres) for phi in self.features]
+
+    def _kernel(self, x: Tensor, centre_feats: list[Tensor]) -> Tensor:
+        weights, scales = torch.softmax(self.beta, 0), 10**self.kernel_log_scales
+        parts = [_gauss_kernel(phi(x), c, s) for phi, c, s in zip(self.features, centre_feats, scales, strict=True)]
+        return _weighted_sum(parts, weights)
+
+    def kernel(self, x: Tensor) -> Tensor:
+        """Kernel mixture ``k(x)_m = sum_j softmax(beta)_j k_j(x, z_m)`` against the centres, [B, M]."""
+        return self._kernel(self._check_x(x), self._centre_features())
+
+    def log_density(self, x: Tensor, alpha: Tensor | None = None) -> Tensor:
+        """Unnormalised ``log p~(x) = q0(x) + k(x) . alpha``, [B] (``alpha``: the stored one by default)."""
+        alpha = self._alpha(alpha)
+        return self.q0(x) + self.kernel(x) @ alpha
+
+    def score(self, x: Tensor, alpha: Tensor | None = None) -> Tensor:
+        """``grad_x log p~(x)`` [B, D] by autograd. Differentiable (``create_graph``) when grad mode is on; an
+        ``x`` that requires grad is differentiated as given, so losses can take its derivative in turn."""
+        create_graph = torch.is_grad_enabled()
+        with torch.enable_grad():
+            xg = x if x.requires_grad else x.detach().requires_grad_(True)
+            (s,) = torch.autograd.grad(self.log_density(xg, alpha).sum(), xg, create_graph=create_graph)
+        return s
+
+    def log_likelihood(self, x: Tensor, log_Z: float | Tensor, alpha: Tensor | None = None) -> Tensor:
+        """Normalised log-density ``log p~(x) - log Z`` [B], ``log_Z`` from :meth:`log_partition`."""
+        return self.log_density(x, alpha) - log_Z
+
+    # ---------------------------------------------------------------- alpha solve
+
+    def _kernel_derivs(self, x: Tensor, cols: bool, lap: bool, v: Tensor | None) -> _KernelDerivs:
+        weights, scales = torch.softmax(self.beta, 0), 10**self.kernel_log_scales
+        per_kernel = []
+        for phi, s in zip(self.features, scales, strict=True):
+            per_kernel.append(_one_kernel_derivs(feature_derivatives(phi, x, cols, lap, v), phi(self.centres), s))
+        return _KernelDerivs(*(_weighted_sum([kd[i] for kd in per_kernel], weights) for i in range(4)))
+
+    def _draws(self, x: Tensor, objective: str, sigma: float | None, projection: str, projections: Tensor | None,
+               noise: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+        """The projections ``v`` (sliced objectives) and the noise ``eps`` (dsm), given or drawn, checked."""
+        v = eps = None
+        if objective in ("sliced", "sliced_vr"):
+            if projection not in PROJECTIONS:
+                raise choice_error("DKEF projection", projection, PROJECTIONS)
+            v = random_projections(x, projection) if projections is None else projections
+        if objective == "dsm":
+            if sigma is None:
+                raise ValueError("DKEF alpha_system: objective 'dsm' needs sigma (the noise level)")
+            check_real("DKEF dsm sigma", sigma, error=ValueError)
+            eps = torch.randn_like(x) if noise is None else noise
+        for name, t in (("projections", v), ("noise", eps)):
+            if t is not None and t.shape != x.shape:
+                raise ValueError(f"DKEF {name} must have the shape of x {tuple(x.shape)}, got {tuple(t.shape)}")
+        return v, eps
+
+    def alpha_system(
+        self,
+        x: Tensor,
+        objective: Literal["exact", "sliced", "sliced_vr", "dsm"],
+        sigma: float | None = None,
+        projection: str = "gaussian",
+        create_graph: bool = True,
+        *,
+        projections: Tensor | None = None,
+        noise: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """``(G [M, M], b [M])`` of the loss ``0.5 a^T G a + b^T a + const`` (docs/method.md section 3.7).
+
+        ``exact``: ``G = E[grad k grad k^T]``, ``b = E[lap k + grad k grad q0]``. ``sliced``:
+        ``G = E[(grad k v)(grad k v)^T]``, ``b = E[v^T hess k v + (grad k v)(v . grad q0)]``, one ``v`` per sample
+        (``projection`` kind, or ``projections`` [B, D] given). ``sliced_vr`` (SSM-VR loss
+        ``0.5 ||s||^2 + v^T grad s v``): exact G, ``b = E[v^T hess k v + grad k grad q0]``. ``dsm`` (sigma^4
+        weighting, ``x~ = x + n``, ``n = sigma eps``, ``eps`` drawn or ``noise``): ``G = sigma^4 E[grad k grad k^T]``,
+        ``b = sigma^2 E[grad k (sigma^2 grad q0 + n)]``, all at ``x~``. Expectations are batch means. With
+        ``create_graph`` the results are differentiable in every parameter; otherwise they are detached.
+        """
+        if objective not in ALPHA_OBJECTIVES:
+            raise choice_error("DKEF alpha objective", objective, ALPHA_OBJECTIVES)
+        x = self._check_x(x, finite=True).detach()
+        v, eps = self._draws(x, objective, sigma, projection, projections, noise)
+        with torch.enable_grad():
+            if eps is not None:
+                x = x + sigma * eps
+            x = x.requires_grad_(True)
+            kd = self._kernel_derivs(x, cols=objective != "sliced", lap=objective == "exact", v=v)
+            gram, b = self._assemble(objective, x, kd, v, sigma, eps)
+        return (gram, b) if create_graph else (gram.detach(), b.detach())
+
+    def _assemble(self, objective: str, x: Tensor, kd: _KernelDerivs, v: Tensor | None, sigma: float | None,
+                  eps: Tensor | None) -> tuple[Tensor, Tensor]:
+        n = x.shape[0]
+        grad_q0 = -x.detach() / self.q0_std**2  # [B, D]
+        if objective == "sliced":
+            gram = kd.gv.T @ kd.gv / n
+            return gram, (kd.vhv + kd.gv * (v * grad_q0).sum(1, keepdim=True)).mean(0)
+        gram = torch.einsum("dbm,dbn->mn", kd.grad, kd.grad) / n
+        if objective == "exact":
+            return gram, (kd.lap + torch.einsum("dbm,bd->bm", kd.grad, grad_q0)).mean(0)
+        if objective == "sliced_vr":
+            return gram, (kd.vhv + torch.einsum("dbm,bd->bm", kd.grad, grad_q0)).mean(0)
+        target = sigma**2 * grad_q0 + sigma * eps  # dsm
+        return sigma**4 * gram, sigma**2 * torch.einsum("dbm,bd->m", kd.grad, target) / n
+
+    def solve_alpha(
+        self,
+        x: Tensor,
+        objective: Literal["exact", "sliced", "sliced_vr", "dsm"],
+        sigma: float | None = None,
+        projection: str = "gaussian",
+        create_graph: bool = True,
+        *,
+        projections: Tensor | None = None,
+        noise: Tensor | None = None,
+    ) -> Tensor:
+        """``alpha`` [M] solving ``(G + 10^log_lambda I) alpha = -b`` (:meth:`alpha_system`), differentiable in
+        the parameters (``log_lambda`` included) when ``create_graph``. A singular system raises ValueError."""
+        gram, b = self.alpha_system(x, objective, sigma, projection, create_graph, projections=projections,
+                                    noise=noise)
+        return self.alpha_from_system(gram, b, differentiable=create_graph)
+
+    def alpha_from_system(self, gram: Tensor, b: Tensor, differentiable: bool = True) -> Tensor:
+        """Solve ``(gram + 10^log_lambda I) alpha = -b`` for a system from :meth:`alpha_system` (e.g. one kept
+        fixed while only ``log_lambda`` is tuned); differentiable in ``log_lambda`` when ``differentiable``.
+        Raises ValueError naming ``log_lambda`` when the system is singular or the solution not finite."""
+        if gram.shape != (self.n_centres, self.n_centres) or b.shape != (self.n_centres,):
+            raise ValueError(f"alpha system must be G [{self.n_centres}, {self.n_centres}] and b "
+                             f"[{self.n_centres}], got {tuple(gram.shape)} and {tuple(b.shape)}")
+        log_lambda = self.log_lambda if differentiable else self.log_lambda.detach()
+        eye = torch.eye(self.n_centres, dtype=gram.dtype, device=gram.device)
+        alpha, info = torch.linalg.solve_ex(gram + 10**log_lambda * eye, -b)
+        if int(info) != 0 or not torch.isfinite(alpha).all():
+            raise ValueError(
+                f"DKEF alpha solve failed: G + 10^log_lambda I is singular or ill-conditioned (log_lambda = "
+                f"{log_lambda.item():.4g}); increase log_lambda (a larger ridge), or check for duplicated centres"
+            )
+        return alpha
+
+    # ---------------------------------------------------------------- normaliser
+
+    def _proposal_chunks(self, n: int, chunk: int, std: float, gen: torch.Generator | None) -> Iterator[Tensor]:
+        """Rows of N(0, std^2 I), ``chunk`` at a time; drawn in fixed blocks, so independent of ``chunk``."""
+        dev = self.centres.device if gen is None else gen.device
+        buf = torch.empty(0, self.dim, dtype=self.centres.dtype, device=dev)
+        for start in range(0, n, chunk):
+            size = min(chunk, n - start)
+            while buf.shape[0] < size:
+                block = torch.randn(_DRAW_BLOCK, self.dim, generator=gen, dtype=buf.dtype, device=dev)
+                buf = torch.cat([buf, block])
+            rows, buf = buf[:size], buf[size:]
+            yield (rows * std).to(self.centres.device)
+
+    @torch.no_grad()
+    def log_partition(
+        self,
+        alpha: Tensor | None = None,
+        n_samples: int = 10**6,
+        chunk: int = 10**4,
+        proposal_std: float = 2.0,
+        generator: torch.Generator | None = None,
+        progress: bool = False,
+    ) -> tuple[float, float]:
+        """Importance-sampling estimate ``(log Z, stderr)`` with proposal ``q = N(0, proposal_std^2 I)``.
+
+        ``log Z = logsumexp_i(log p~(x_i) - log q(x_i)) - log N``, in chunks of ``chunk`` rows (memory
+        ``chunk x M``), sums kept as running logsumexps in float64. ``stderr`` is the delta-method standard error
+        ``sqrt(var(w) / N) / mean(w) = sqrt((N / ESS - 1) / (N - 1))``, ``ESS = (sum w)^2 / sum w^2``. Warns when
+        ESS < 100 or stderr > 0.1. The samples depend on ``generator`` and ``n_samples``, not on ``chunk``.
+        """
+        check_count("log_partition n_samples", n_samples, low=2, error=ValueError)
+        check_count("log_partition chunk", chunk, error=ValueError)
+        check_real("log_partition proposal_std", proposal_std, error=ValueError)
+        alpha, centre_feats = self._alpha(alpha), self._centre_features()
+        log_q_const = -0.5 * self.dim * math.log(2 * math.pi * proposal_std**2)
+        s1 = s2 = torch.tensor(-math.inf, dtype=torch.float64, device=alpha.device)
+        chunks = self._proposal_chunks(n_samples, chunk, proposal_std, generator)
+        for x in tqdm(chunks, total=math.ceil(n_samples / chunk), disable=not progress, desc="DKEF log Z"):
+            log_p = self.q0(x) + self._kernel(x, centre_feats) @ alpha
+            log_w = (log_p - (log_q_const - x.pow(2).sum(1) / (2 * proposal_std**2))).double()
+            s1 = torch.logaddexp(s1, torch.logsumexp(log_w, 0))
+            s2 = torch.logaddexp(s2, torch.logsumexp(2 * log_w, 0))
+        return _is_summary(float(s1), float(s2), n_samples)
+
+
+def _is_summary(log_sum_w: float, log_sum_w2: float, n: int) -> tuple[float, float]:
+    """``(log Z, stderr)`` from ``log sum w`` and ``log sum w^2``; warns on a small ESS or a large stderr."""
+    if not (math.isfinite(log_sum_w) and math.isfinite(log_sum_w2)):
+        raise ValueError(f"DKEF log_partition: non-finite importance weights (log sum w = {log_sum_w})")
+    ess = math.exp(2 * log_sum_w - log_sum_w2)
+    stderr = math.sqrt(max(n / ess - 1.0, 0.0) / (n - 1))
+    if ess < 100 or stderr > 0.1:
+        warnings.warn(
+            f"DKEF log_partition: unreliable estimate, effective sample size {ess:.1f} of {n} (want >= 100), "
+            f"standard error of log Z {stderr:.3g} (want <= 0.1); use more samples or a better proposal_std",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return log_sum_w - math.log(n), stderr

@@ -1,0 +1,94 @@
+"""The DKEF family end to end: two-stage training lowers the validation loss on RedWine, the alpha of every loss
+weighting minimises that loss, the final stage tunes log_lambda and saves final.ckpt, and highdim reports the truth."""
+
+import math
+
+import pytest
+import torch
+
+from deqscore.lightning import build_module
+from deqscore.lightning.callbacks import read_metrics_csv
+from deqscore.lightning.cli import main
+from deqscore.lightning.dkef import FINAL_STAGE_SEED
+
+from .conftest import UCI_DATA, tiny_args
+
+pytestmark = pytest.mark.skipif(not (UCI_DATA / "winequality-red.csv").is_file(), reason=f"no UCI files in {UCI_DATA}")
+SHALLOW = "configs/dkef/explicit_shallow.yaml"
+
+
+def test_a_short_fit_on_redwine_lowers_the_validation_loss(tmp_path):
+    cli = main(["fit", *tiny_args(tmp_path, SHALLOW, "red"), "--trainer.max_epochs", "4",
+                "--trainer.limit_train_batches", "6", "--trainer.limit_val_batches", "3",
+                "--model.init_args.net.init_args.n_centres", "40", "--model.init_args.alpha_points", "200"])
+    val = [v for _, v in read_metrics_csv(tmp_path / "red" / "metrics.csv")["val/loss"]]
+    assert len(val) == 4 and val[-1] < val[0], val
+    assert cli.model.net.dim == 11  # linked from the data module
+    ll = cli.trainer.callback_metrics["val/log_likelihood"]
+    assert torch.isfinite(ll) and cli.trainer.callback_metrics["val/log_z_stderr"] >= 0
+
+
+@pytest.mark.parametrize("weighting", ["none", "sigma2", "sigma4"])
+def test_dsm_alpha_minimises_the_loss_it_trains_with_each_weighting(weighting):
+    torch.manual_seed(0)
+    module = build_module({"class_path": "deqscore.lightning.DKEFModule", "init_args": {
+        "net": {"class_path": "deqscore.models.DKEF", "init_args": {
+            "dim": 3, "n_centres": 6, "hidden": 5, "feature_net": "shallow"}},
+        "loss": {"class_path": "deqscore.losses.DSM", "init_args": {"sigma": 0.3, "weighting": weighting}}}})
+    module = module.double()
+    x = torch.randn(40, 3, dtype=torch.float64)
+    module.net.init_centres(x)
+    torch.manual_seed(1)  # the solve and the loss draw the same noise
+    alpha = module.solve_alpha(x, create_graph=False).detach().requires_grad_(True)
+    torch.manual_seed(1)
+    ridge = 0.5 * 10 ** module.net.log_lambda.detach() * alpha.pow(2).sum()
+    objective = module.loss(module.score_with(alpha), x).mean() + ridge
+    (grad,) = torch.autograd.grad(objective, alpha)
+    assert grad.abs().max() < 1e-8 * (1 + alpha.abs().max())
+
+
+def test_final_stage_tunes_log_lambda_and_saves_the_result(tmp_path):
+    main(["fit", *tiny_args(tmp_path, SHALLOW, "fin"), "--trainer.max_epochs", "1",
+          "--model.init_args.final_lambda_steps", "20", "--model.init_args.final_lambda_lr", "0.05"])
+    ckpts = tmp_path / "fin" / "checkpoints"
+    best = torch.load(next(ckpts.glob("best-*.ckpt")), weights_only=True)["state_dict"]
+    final = torch.load(ckpts / "final.ckpt", weights_only=True)["state_dict"]
+    assert final["net.log_lambda"] != best["net.log_lambda"]  # tuned
+    tuned = {k: v for k, v in final.items() if k not in ("net.log_lambda", "net.alpha")}
+    assert all(torch.equal(v, best[k]) for k, v in tuned.items())  # everything else is the best model's
+    from deqscore.lightning import load_module
+
+    module = load_module(ckpts / "final.ckpt")
+    cli = main(["test", "--config", str(tmp_path / "fin" / "config.yaml"), "--ckpt_path", str(ckpts / "final.ckpt")])
+    train = cli.datamodule.train_data
+    with torch.random.fork_rng(), torch.enable_grad():
+        torch.manual_seed(FINAL_STAGE_SEED)  # the final stage's projections
+        g, b = module.alpha_system(train, create_graph=False)
+    expected = module.net.alpha_from_system(g.detach(), b.detach(), differentiable=False)
+    assert torch.allclose(module.net.alpha, expected, rtol=1e-3, atol=1e-5)  # alpha of the whole training set
+    assert torch.isfinite(cli.trainer.callback_metrics["test/log_likelihood"])
+
+
+def test_highdim_reports_the_fisher_divergence_and_the_true_likelihood(tmp_path):
+    cli = main(["fit", *tiny_args(tmp_path, SHALLOW, "hd"), "--data.init_args.dataset", "highdim",
+                "--data.init_args.dim", "5", "--trainer.fast_dev_run", "1"])
+    assert cli.model.net.dim == 5
+    metrics = cli.trainer.callback_metrics
+    x = cli.datamodule.val_data[:16]  # the one validation batch of fast_dev_run
+    true_ll = (-0.5 * x.pow(2).sum(1) - 2.5 * math.log(2 * math.pi)).mean()
+    assert metrics["val/true_log_likelihood"].item() == pytest.approx(true_ll.item(), rel=1e-5)
+    xg = x.clone().requires_grad_(True)
+    fisher = 0.5 * (cli.model.net.score(xg).detach() + x).pow(2).sum(1).mean()
+    assert metrics["val/fisher_divergence"].item() == pytest.approx(fisher.item(), rel=1e-3)
+
+
+@pytest.mark.parametrize("dataset", ["redwine", "whitewine", "parkinsons", "highdim"])
+@pytest.mark.parametrize("config", ["deq", "explicit_shallow", "explicit_deep"])
+def test_every_config_runs_on_every_dataset(tmp_path, config, dataset):
+    cli = main(["fit", *tiny_args(tmp_path, f"configs/dkef/{config}.yaml", "d"), "--data.init_args.dataset", dataset,
+                "--data.init_args.dim", "6", "--trainer.fast_dev_run", "1"])
+    metrics = cli.trainer.callback_metrics
+    assert cli.model.net.dim == cli.datamodule.dim == {"redwine": 11, "whitewine": 11, "parkinsons": 15,
+                                                       "highdim": 6}[dataset]
+    assert torch.isfinite(metrics["train/loss"]) and torch.isfinite(metrics["val/exact_sm"])
+    assert ("val/fisher_divergence" in metrics) == (dataset == "highdim")

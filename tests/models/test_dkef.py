@@ -1,0 +1,376 @@
+import math
+from functools import partial
+
+import pytest
+import torch
+
+from deqscore.deq import DEQ
+from deqscore.errors import ConfigError
+from deqscore.losses import denoising_score_matching, exact_score_matching, sliced_score_matching
+from deqscore.models import DKEF
+from deqscore.models.dkef import DKEFDEQMap
+
+NETS = ("shallow", "deep", "deq")
+OBJECTIVES = ("exact", "sliced", "sliced_vr", "dsm")
+SIGMA = 0.3
+F64 = torch.float64
+
+
+def _model(feature_net="shallow", dim=3, n_centres=5, hidden=6, phantom_steps=2, **kw):
+    torch.manual_seed(1)
+    deq = partial(DEQ, solver="picard", tol=1e-13, max_iter=500, phantom_steps=phantom_steps)
+    model = DKEF(dim=dim, n_centres=n_centres, hidden=hidden, feature_net=feature_net, deep_layers=3, deq=deq,
+                 **kw).double()
+    with torch.no_grad():
+        model.beta.normal_(0, 0.5)  # unequal kernel weights
+        model.kernel_log_scales.add_(torch.randn(3, dtype=F64) * 0.2)
+    return model
+
+
+def _data(n=6, dim=3, seed=2):
+    return torch.randn(n, dim, dtype=F64, generator=torch.Generator().manual_seed(seed))
+
+
+def _draws(objective, x, seed=7):
+    """Fixed projections / noise, drawn exactly as the losses of deqscore.losses draw them after seeding."""
+    torch.manual_seed(seed)
+    return {"projections": torch.randn_like(x)} if objective in ("sliced", "sliced_vr") else (
+        {"noise": torch.randn_like(x)} if objective == "dsm" else {})
+
+
+# ------------------------------------------------------------------ (1) the alpha solve
+
+
+def _brute_kernel_derivs(model, x):
+    """Per-sample Jacobian [B, M, D] and Hessians [B, M, D, D] of model.kernel by plain autograd."""
+    jacs, hessians = [], []
+    for xb in x:
+        def k(z):
+            return model.kernel(z[None])[0]
+
+        jacs.append(torch.autograd.functional.jacobian(k, xb))
+        hessians.append(torch.autograd.functional.jacobian(
+            lambda z, k=k: torch.autograd.functional.jacobian(k, z, create_graph=True), xb))
+    return torch.stack(jacs), torch.stack(hessians)
+
+
+def _stacked_rows(model, objective, x, draws):
+    """``C`` with ``G = C^T C`` and ``b``, from brute-force kernel derivatives (docs/method.md section 3.7)."""
+    n = x.shape[0]
+    if objective == "dsm":
+        x = x + SIGMA * draws["noise"]
+    jac, hess = _brute_kernel_derivs(model, x)
+    grad_q0 = -x / model.q0_std**2
+    jq = torch.einsum("bmd,bd->bm", jac, grad_q0)
+    if objective == "exact":
+        return jac.permute(0, 2, 1).reshape(-1, model.n_centres) / math.sqrt(n), (
+            hess.diagonal(dim1=2, dim2=3).sum(-1) + jq).mean(0)
+    if objective == "dsm":
+        target = SIGMA**2 * grad_q0 + SIGMA * draws["noise"]
+        rows = SIGMA**2 * jac.permute(0, 2, 1).reshape(-1, model.n_centres) / math.sqrt(n)
+        return rows, SIGMA**2 * torch.einsum("bmd,bd->m", jac, target) / n
+    v = draws["projections"]
+    jv, vhv = torch.einsum("bmd,bd->bm", jac, v), torch.einsum("bmde,bd,be->bm", hess, v, v)
+    if objective == "sliced":
+        return jv / math.sqrt(n), (vhv + jv * (v * grad_q0).sum(1, keepdim=True)).mean(0)
+    return jac.permute(0, 2, 1).reshape(-1, model.n_centres) / math.sqrt(n), (vhv + jq).mean(0)  # sliced_vr
+
+
+@pytest.mark.parametrize("feature_net", NETS)
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_alpha_matches_least_squares_of_brute_force_system(feature_net, objective):
+    model, x = _model(feature_net), _data()
+    draws = _draws(objective, x)
+    gram, b = model.alpha_system(x, objective, sigma=SIGMA, **draws)
+    rows, b_ref = _stacked_rows(model, objective, x, draws)
+    assert torch.allclose(gram, rows.T @ rows, rtol=1e-8, atol=1e-12)
+    assert torch.allclose(b, b_ref, rtol=1e-8, atol=1e-12)
+    # argmin 0.5 a^T C^T C a + b^T a + 0.5 lam |a|^2 = argmin ||C a||^2 + ||sqrt(lam) a + b / sqrt(lam)||^2
+    lam = 10 ** model.log_lambda.item()
+    a_mat = torch.cat([rows, math.sqrt(lam) * torch.eye(model.n_centres, dtype=F64)])
+    rhs = torch.cat([torch.zeros(rows.shape[0], dtype=F64), -b_ref / math.sqrt(lam)])
+    expected = torch.linalg.lstsq(a_mat, rhs[:, None], driver="gelsd").solution[:, 0]
+    alpha = model.solve_alpha(x, objective, sigma=SIGMA, **draws)
+    assert torch.allclose(alpha, expected, rtol=1e-7, atol=1e-9)
+
+
+def _loss(model, objective, x, alpha, seed=7):
+    """The score-matching loss of deqscore.losses for the model with coefficients ``alpha`` (draws seeded)."""
+    def score(z):
+        return model.score(z, alpha)
+
+    torch.manual_seed(seed)
+    if objective == "exact":
+        return exact_score_matching(score, x).mean()
+    if objective == "dsm":
+        return denoising_score_matching(score, x, SIGMA, weighting="sigma4").mean()
+    vr = objective == "sliced_vr"
+    return sliced_score_matching(score, x, projection="gaussian", variance_reduction=vr).mean()
+
+
+@pytest.mark.parametrize("feature_net", ("shallow", "deq"))
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_alpha_minimises_the_real_loss(feature_net, objective):
+    model, x = _model(feature_net), _data(n=8)
+    draws = _draws(objective, x)
+    lam = 10 ** model.log_lambda.item()
+    alpha = model.solve_alpha(x, objective, sigma=SIGMA, create_graph=False, **draws)
+
+    def ridge_loss_grad(a):
+        a = a.clone().requires_grad_(True)
+        total = _loss(model, objective, x, a) + 0.5 * lam * a.pow(2).sum()
+        return torch.autograd.grad(total, a)[0]
+
+    scale = ridge_loss_grad(torch.zeros_like(alpha)).norm()
+    assert ridge_loss_grad(alpha).norm() < 1e-9 * scale
+    assert ridge_loss_grad(alpha + 0.1).norm() > 1e-3 * scale  # the check can fail
+    # the loss is 0.5 a^T G a + b^T a + const, for any a
+    gram, b = model.alpha_system(x, objective, sigma=SIGMA, create_graph=False, **draws)
+    a = torch.randn(model.n_centres, dtype=F64)
+    diff = _loss(model, objective, x, a) - _loss(model, objective, x, torch.zeros_like(a))
+    assert diff.item() == pytest.approx((0.5 * a @ gram @ a + b @ a).item(), rel=1e-9, abs=1e-12)
+
+
+def test_solve_is_differentiable_in_log_lambda():
+    model, x = _model(), _data()
+    alpha = model.solve_alpha(x, "exact")
+    (g,) = torch.autograd.grad(alpha.sum(), model.log_lambda)
+    gram, b = model.alpha_system(x, "exact", create_graph=False)
+    lam = 10 ** model.log_lambda.detach()
+    h = gram + lam * torch.eye(model.n_centres, dtype=F64)
+    a = torch.linalg.solve(h, -b)
+    # d alpha / d log_lambda = -(H^-1) (ln 10 * lam) alpha
+    expected = -torch.linalg.solve(h, math.log(10) * lam * a).sum()
+    assert g.item() == pytest.approx(expected.item(), rel=1e-9)
+
+
+# ------------------------------------------------------------------ (2) score
+
+
+@pytest.mark.parametrize("feature_net", NETS)
+def test_score_is_gradient_of_log_density(feature_net):
+    model = _model(feature_net, phantom_steps=60)  # K = 60: the phantom derivative is exact to 1e-20
+    x = _data(n=5)
+    alpha = torch.randn(model.n_centres, dtype=F64)
+    s = model.score(x, alpha)
+    xg = x.clone().requires_grad_(True)
+    (auto,) = torch.autograd.grad(model.log_density(xg, alpha).sum(), xg)
+    assert torch.allclose(s, auto, atol=1e-12)
+    h, fd = 1e-5, torch.empty_like(x)
+    with torch.no_grad():
+        for d in range(x.shape[1]):
+            e = torch.zeros_like(x)
+            e[:, d] = h
+            fd[:, d] = (model.log_density(x + e, alpha) - model.log_density(x - e, alpha)) / (2 * h)
+    assert torch.allclose(s, fd, atol=1e-7)
+
+
+def test_score_defaults_to_stored_alpha_and_has_no_graph_under_no_grad():
+    model, x = _model(), _data()
+    a = torch.randn(model.n_centres, dtype=F64)
+    model.set_alpha(a)
+    assert torch.allclose(model.score(x), model.score(x, a))
+    with torch.no_grad():
+        s = model.score(x)
+    assert not s.requires_grad and torch.allclose(s, model.score(x, a))
+    x_req = x.clone().requires_grad_(True)  # differentiated as given: the losses take d s / dx
+    assert model.score(x_req).requires_grad
+
+
+def test_alpha_buffer_in_state_dict():
+    model = _model()
+    model.set_alpha(torch.arange(5, dtype=F64))
+    sd = model.state_dict()
+    assert "alpha" in sd and not any(n == "alpha" for n, _ in model.named_parameters())
+    other = _model()
+    other.load_state_dict(sd)
+    assert torch.equal(other.alpha, torch.arange(5, dtype=F64))
+
+
+def test_kernel_is_one_at_the_centres_and_in_unit_interval():
+    model, x = _model(), _data(n=20)
+    with torch.no_grad():
+        assert torch.allclose(model.kernel(model.centres).diagonal(), torch.ones(5, dtype=F64))
+        k = model.kernel(x)
+    assert k.shape == (20, 5) and (k > 0).all() and (k <= 1).all()
+
+
+def test_init_centres_copies_distinct_training_rows():
+    model, x = _model(n_centres=5), _data(n=30)
+    model.init_centres(x, generator=torch.Generator().manual_seed(0))
+    match = (model.centres.detach()[:, None] == x[None]).all(-1)  # [M, N]
+    assert (match.sum(1) == 1).all() and match.any(0).sum() == 5
+
+
+def test_init_is_normal_with_variance_one_over_fan_out():
+    model = DKEF(dim=7, n_centres=3, hidden=400, feature_net="shallow")
+    lin = model.features[0].body[2]
+    assert lin.weight.std().item() == pytest.approx(400**-0.5, rel=0.02)
+    assert lin.bias.std().item() == pytest.approx(400**-0.5, rel=0.25)
+    assert model.features[1].skip.bias is None
+    assert torch.equal(model.beta, torch.zeros(3)) and model.log_lambda.item() == -2.0
+    assert torch.allclose(model.kernel_log_scales, torch.tensor([0.0, 0.5185, 0.5185]))
+
+
+# ------------------------------------------------------------------ (3) normaliser
+
+
+@pytest.mark.parametrize("dim", [2, 5])
+def test_log_partition_of_the_base_gaussian(dim):
+    model = _model(dim=dim, n_centres=4)  # alpha = 0: p~ = q0, Z = (2 pi q0_std^2)^(D/2)
+    truth = 0.5 * dim * math.log(2 * math.pi * model.q0_std**2)
+    gen = torch.Generator().manual_seed(3)
+    log_z, se = model.log_partition(n_samples=2000, chunk=512, proposal_std=2.0, generator=gen)
+    assert log_z == pytest.approx(truth, abs=1e-10) and se < 1e-6  # proposal = target: constant weights
+    log_z, se = model.log_partition(n_samples=40_000, chunk=4096, proposal_std=2.6, generator=gen)
+    assert 1e-4 < se < 0.05 and abs(log_z - truth) < 3 * se
+
+
+def _bumpy_2d_model():
+    model = _model(dim=2, n_centres=6)
+    with torch.no_grad():
+        model.centres.copy_(torch.randn(6, 2, dtype=F64) * 1.5)
+    model.set_alpha(torch.tensor([2.0, -1.5, 1.0, 3.0, -2.0, 1.5], dtype=F64))
+    return model
+
+
+def test_log_partition_against_quadrature():
+    model = _bumpy_2d_model()
+    grid = torch.linspace(-14, 14, 401, dtype=F64)
+    pts = torch.cartesian_prod(grid, grid)
+    with torch.no_grad():
+        log_p = torch.cat([model.log_density(p) for p in pts.split(40_000)]).view(401, 401)
+    m = log_p.max()
+    dx = (grid[1] - grid[0]).item()
+    quad = (m + torch.trapezoid(torch.trapezoid((log_p - m).exp(), dx=dx, dim=1), dx=dx).log()).item()
+    log_z, se = model.log_partition(n_samples=200_000, chunk=20_000, generator=torch.Generator().manual_seed(5))
+    assert 1e-4 < se < 0.02 and abs(log_z - quad) < 3 * se
+    x = _data(n=4, dim=2)
+    assert torch.allclose(model.log_likelihood(x, log_z), model.log_density(x) - log_z)
+
+
+def test_log_partition_does_not_depend_on_chunk():
+    model = _bumpy_2d_model()
+    whole = model.log_partition(n_samples=5000, chunk=5000, generator=torch.Generator().manual_seed(9))
+    parts = model.log_partition(n_samples=5000, chunk=777, generator=torch.Generator().manual_seed(9))
+    assert whole[0] == pytest.approx(parts[0], abs=1e-12) and whole[1] == pytest.approx(parts[1], rel=1e-9)
+
+
+def test_log_partition_stderr_matches_spread():
+    model = _bumpy_2d_model()
+    runs = [model.log_partition(n_samples=2000, chunk=1000, proposal_std=3.0,
+                                generator=torch.Generator().manual_seed(100 + i)) for i in range(20)]
+    estimates, stderrs = torch.tensor([r[0] for r in runs]), torch.tensor([r[1] for r in runs])
+    ratio = estimates.std().item() / stderrs.mean().item()
+    assert 0.6 < ratio < 1.6, ratio
+
+
+def test_log_partition_warns_on_few_effective_samples():
+    model = _bumpy_2d_model()
+    with pytest.warns(RuntimeWarning, match="effective sample size .* standard error"):
+        model.log_partition(n_samples=50, chunk=20, generator=torch.Generator().manual_seed(0))
+
+
+# ------------------------------------------------------------------ (4) training through the solve
+
+
+@pytest.mark.parametrize("feature_net", NETS)
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_two_stage_objective_trains_every_parameter(feature_net, objective):
+    model, x = _model(feature_net), _data(n=12)
+    alpha = model.solve_alpha(x[:6], objective, sigma=SIGMA)
+    loss = exact_score_matching(lambda z: model.score(z, alpha), x[6:]).mean()
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+    assert sum(isinstance(m, DEQ) for m in model.modules()) == (3 if feature_net == "deq" else 0)
+
+
+def test_deq_feature_net_solves_its_fixed_point():
+    model, x = _model("deq", hidden=8), _data(n=7)
+    body = model.features[1].body
+    with torch.no_grad():
+        body.deq.func.lin.weight.mul_(50.0)  # the normaliser must undo any weight scale
+        u, z = body.injection(x), body(x)
+        w_scaled = body.deq.func.scaled_weight()
+    assert torch.allclose(z, z @ w_scaled.T + u, atol=1e-11)
+    assert torch.linalg.matrix_norm(w_scaled, ord=2) < 1
+    phi = model.features[1](x)
+    assert torch.allclose(phi, z + model.features[1].skip(x))
+
+
+@pytest.mark.parametrize("through", [True, False])
+def test_grad_through_norm(through):
+    fmap = DKEFDEQMap(6, grad_through_norm=through).double()
+    r = torch.randn(6, 6, dtype=F64)
+    (g,) = torch.autograd.grad((fmap.scaled_weight() * r).sum(), fmap.lin.weight)
+    w = fmap.lin.weight.detach()
+    if through:  # W / ||W|| is scale-invariant: its gradient is orthogonal to W
+        assert abs((g * w).sum().item()) < 1e-5 * g.norm().item() * w.norm().item()
+    else:
+        assert torch.allclose(g, r / ((1 + 1e-6) * (w.norm() + 1e-6)))
+
+
+# ------------------------------------------------------------------ (5) errors
+
+
+def test_singular_system_names_log_lambda():
+    model, x = _model(log_lambda=-40.0), _data(n=6)
+    with torch.no_grad():
+        model.centres[1] = model.centres[0]  # duplicated centre: G has two equal rows and columns
+    with pytest.raises(ValueError, match=r"log_lambda = -40.*increase log_lambda"):
+        model.solve_alpha(x, "exact")
+    with torch.no_grad():
+        model.log_lambda.fill_(-2.0)
+    assert torch.isfinite(model.solve_alpha(x, "exact")).all()
+
+
+def test_alpha_from_fixed_system_tunes_log_lambda():
+    model, x = _model(), _data()
+    gram, b = model.alpha_system(x, "exact", create_graph=False)
+    alpha = model.alpha_from_system(gram, b)
+    assert torch.allclose(alpha, model.solve_alpha(x, "exact"), atol=1e-12)
+    (g,) = torch.autograd.grad(alpha.pow(2).sum(), model.log_lambda)
+    assert g.item() < 0  # a larger ridge shrinks alpha
+    with pytest.raises(ValueError, match="alpha system must be"):
+        model.alpha_from_system(gram[:2, :2], b[:2])
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"feature_net": "wide"}, "feature_net"),
+    ({"dim": 0}, "dim"),
+    ({"n_centres": 0}, "n_centres"),
+    ({"hidden": 2.5}, "hidden"),
+    ({"deep_layers": 1}, "deep_layers"),
+    ({"q0_std": -1.0}, "q0_std"),
+    ({"log_lambda": math.nan}, "log_lambda"),
+    ({"kernel_log_scales": (0.0, 1.0)}, "kernel_log_scales"),
+    ({"kernel_log_scales": (0.0, 1.0, math.inf)}, "kernel_log_scales"),
+    ({"feature_net": "deq", "deq": partial(DEQ, backward="ift")}, "ift"),
+])
+def test_bad_options_raise_config_error(kw, match):
+    opts = {"dim": 3, "n_centres": 4, "hidden": 5} | kw
+    with pytest.raises(ConfigError, match=match):
+        DKEF(**opts)
+
+
+def test_bad_call_arguments():
+    model, x = _model(), _data()
+    with pytest.raises(ValueError, match="objective"):
+        model.alpha_system(x, "hutchinson")
+    with pytest.raises(ValueError, match="sigma"):
+        model.alpha_system(x, "dsm")
+    with pytest.raises(ValueError, match="projection"):
+        model.alpha_system(x, "sliced", projection="cube")
+    with pytest.raises(ValueError, match="projections"):
+        model.alpha_system(x, "sliced", projections=torch.randn(2, 3, dtype=F64))
+    with pytest.raises(ValueError, match=r"shape \[B, 3\]"):
+        model.kernel(torch.randn(4, 2, dtype=F64))
+    with pytest.raises(ValueError, match="non-finite"):
+        model.alpha_system(torch.full((4, 3), math.nan, dtype=F64), "exact")
+    with pytest.raises(ValueError, match="alpha must have shape"):
+        model.log_density(x, torch.zeros(3, dtype=F64))
+    with pytest.raises(ValueError, match="n_centres=5"):
+        model.init_centres(x[:3])
+    with pytest.raises(ValueError, match="n_samples"):
+        model.log_partition(n_samples=1)
