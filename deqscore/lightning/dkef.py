@@ -202,7 +202,7 @@ class DKEFModule(ScoreModule):
             optimizer.step()
         with torch.no_grad():
             self.net.set_alpha(self.net.alpha_from_system(g, b))
-        if not math.isfinite(float(self.net.log_lambda)):
+        if not math.isfinite(float(self.net.log_lambda.detach())):
             raise ConfigError("log_lambda became non-finite while fine-tuned: lower final_lambda_lr")
 
 
