@@ -6,16 +6,21 @@ No timing is asserted: the machine may be shared.
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from deqscore.bench import main, run
+from deqscore.bench.dkef import build_dkef, data_root, make_module, step_activation_mib
 from deqscore.bench.measure import make_inputs
-from deqscore.bench.settings import QUICK, SECTIONS
-from deqscore.deq import get_solver
+from deqscore.bench.settings import FORCED_TOL, QUICK, SECTIONS
+from deqscore.data import UCIDataModule
+from deqscore.deq import DEQ, get_solver
 from deqscore.lightning import load_module
 from deqscore.lightning.cli import main as train
+from deqscore.models import DKEF
 from tests.lightning.conftest import tiny_args
 
 
@@ -136,3 +141,78 @@ def test_solvers_on_a_trained_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="not a DEQ-NICE checkpoint"):
         run(quick=True, device="cpu", out_dir=tmp_path / "out2", sections=["solvers"],
             trained_checkpoint=tmp_path / "explicit" / "checkpoints" / "last.ckpt")
+
+
+# ---------------------------------------------------------------- dkef
+
+
+def _dkef_rows(doc: dict) -> list[dict]:
+    return [r for r in _rows(doc, "dkef") if not r["model"].startswith("ratio")]
+
+
+def test_dkef_rows_cover_every_data_set_and_net(result):
+    rows = _dkef_rows(result[1])
+    expected = {("highdim", d) for d in QUICK.dkef_dims}
+    if data_root(QUICK).joinpath("winequality-red.csv").is_file():
+        expected.add(("RedWine", 11))
+    assert {(r["data"], r["dim"]) for r in rows} == expected
+    for key in expected:
+        nets = [r["model"] for r in rows if (r["data"], r["dim"]) == key]
+        assert nets == ["explicit shallow", "explicit deep", "DEQ"]
+    assert all(r["steps"] == QUICK.dkef_steps and r["repeats"] == QUICK.dkef_steps - 1 for r in rows)
+
+
+def test_dkef_parameter_counts_match_fresh_nets(result):
+    for row in _dkef_rows(result[1]):
+        kind = {"explicit shallow": "shallow", "explicit deep": "deep", "DEQ": "deq"}[row["model"]]
+        net = DKEF(row["dim"], QUICK.dkef_n_centres, QUICK.dkef_hidden, kind, QUICK.dkef_deep_layers)
+        assert row["params"] == sum(p.numel() for p in net.parameters())
+
+
+def test_dkef_memory_ordering_and_finite_results(result):
+    rows = _dkef_rows(result[1])
+    for key in {(r["data"], r["dim"]) for r in rows}:
+        by = {r["model"]: r for r in rows if (r["data"], r["dim"]) == key}
+        assert by["explicit deep"]["act_mib"] > by["explicit shallow"]["act_mib"] > 0
+        assert by["explicit deep"]["act_mib"] > by["DEQ"]["act_mib"] > 0
+        assert by["DEQ"]["solver_iters"] >= 1
+        ratio = result[1]["sections"]["dkef"]["meta"]["ratios_deq_over_deep"][f"{key[0]} {key[1]}"]
+        assert ratio["act_mib"] == pytest.approx(by["DEQ"]["act_mib"] / by["explicit deep"]["act_mib"])
+    for row in rows:
+        assert all(math.isfinite(row[k]) for k in ("test_ll", "log_z", "log_z_stderr", "final_loss"))
+        assert 1 <= row["ess"] <= max(QUICK.dkef_log_z_samples, QUICK.dkef_log_z_samples_redwine)
+        if row["data"] == "highdim":  # the true N(0, I) quantities of the same test points
+            assert row["fisher"] >= 0 and math.isfinite(row["fisher"])
+            dm = UCIDataModule("highdim", dim=row["dim"], seed=QUICK.dkef_data_seed)
+            dm.setup()
+            assert row["true_ll"] == pytest.approx(dm.true_log_prob(dm.test_data).mean().item(), rel=1e-5)
+
+
+def _dkef_step_memory(x: torch.Tensor, **deq_options) -> tuple[float, set[int]]:
+    """Activation memory of one training step of a DEQ-DKEF and the iterations its solves ran."""
+    net = build_dkef(QUICK, "deq", x.shape[1], tol=FORCED_TOL, warn_on_nonconvergence=False, **deq_options)
+    net.init_centres(x, torch.Generator().manual_seed(0))
+    torch.manual_seed(1)
+    mib = step_activation_mib(make_module(net, QUICK), x)
+    return mib, {layer.stats.nstep for layer in net.modules() if isinstance(layer, DEQ)}
+
+
+def test_dkef_deq_memory_is_independent_of_solver_iterations():
+    dim, gen = 6, torch.Generator().manual_seed(0)
+    x = torch.randn(QUICK.dkef_batch, dim, generator=gen)
+    # a tolerance no solve meets (FORCED_TOL): exactly max_iter iterations per solve
+    (few, it_few), (many, it_many) = (_dkef_step_memory(x, max_iter=n) for n in (4, 40))
+    assert (it_few, it_many) == ({4}, {40})
+    # the same storages whatever the iterations (the meter pins them: no address reuse can alias two of them)
+    assert few == pytest.approx(many, rel=1e-9)
+    # the same solves recorded for backward (unroll) grow with the iterations: the check above can fail
+    unroll_few, unroll_many = (_dkef_step_memory(x, max_iter=n, backward="unroll")[0] for n in (4, 40))
+    assert unroll_many > 2 * unroll_few > 2 * few
+    # ... while an explicit net's grows with its depth
+    deep = []
+    for layers in (4, 16):
+        net = build_dkef(replace(QUICK, dkef_deep_layers=layers), "deep", dim)
+        net.init_centres(x, torch.Generator().manual_seed(0))
+        torch.manual_seed(1)
+        deep.append(step_activation_mib(make_module(net, QUICK), x))
+    assert deep[1] > 2 * deep[0]

@@ -9,8 +9,11 @@ Run::
 It writes ``bench.md`` (markdown tables) and ``bench.json`` (the same numbers) to ``--out`` (default
 ``benchmarks/results``). Sections: ``memory_vs_iterations`` (activation memory of one SSM step, phantom vs
 unrolled DEQ vs explicit MLP), ``phantom_fidelity`` (phantom vs exact SSM gradients, float64), ``solvers``
-(Picard/Anderson/Broyden function evaluations) and ``nice`` (explicit vs DEQ NICE); then a targets table with
-pass/fail computed from the measurements. Times are medians over ``--repeats`` steps after one warm-up
+(Picard/Anderson/Broyden function evaluations), ``nice`` (explicit vs DEQ NICE) and ``dkef`` (DKEF with explicit
+shallow, explicit deep and DEQ feature nets on RedWine and synthetic high-dimensional Gaussians, each trained for
+the same short budget: parameters, step memory and time, test log-likelihood; ``--sections dkef --out
+benchmarks/results/dkef`` takes about 15 minutes on 2 CPU cores); then a targets table with pass/fail computed
+from the measurements. Times are medians over ``--repeats`` steps after one warm-up
 (fewer for rows that would exceed the row budget); all sizes are in :mod:`deqscore.bench.settings`.
 
 From Python: ``run(quick=True, device="cpu", out_dir=tmp_path)`` returns the JSON document.

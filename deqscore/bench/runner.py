@@ -75,11 +75,12 @@ def _run(settings: Settings, dev: torch.device, out_dir: Path, names: list[str],
 
 def _run_sections(settings: Settings, dev: torch.device, out_dir: Path, names: list[str], extra: dict) -> dict:
     start = time.perf_counter()
+    env = environment(dev)  # before the sections: its load average is the one they start under
     tables: dict[str, Table] = {}
     for name in names:
         log(f"section {name} ({settings.mode})")
         tables[name] = SECTION_FUNCS[name](settings, dev)
-    header = {**extra, **environment(dev), "mode": settings.mode, "sections": ", ".join(names)}
+    header = {**extra, **env, "mode": settings.mode, "sections": ", ".join(names)}
     header["runtime"] = f"{time.perf_counter() - start:.0f} s"
     all_tables = [*tables.values(), targets(tables, settings)]
     doc = write_reports(out_dir, header, settings.as_dict(), all_tables)

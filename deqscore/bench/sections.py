@@ -1,4 +1,4 @@
-"""The four benchmark sections; each returns a :class:`~deqscore.bench.report.Table`."""
+"""The benchmark sections, each returning a :class:`~deqscore.bench.report.Table` (``dkef``: its own module)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from ..deq import DEQ
 from ..deq.solvers import get_solver, picard
 from ..metrics import parameter_count
 from ..models import NICE, DEQMNet, explicit_mlp
+from .dkef import dkef
 from .measure import CouplingDensity, log, make_inputs, measure_step, ssm_step, timed
 from .report import Column, Table
 from .settings import FORCED_TOL, MAIN_SOLVER_BLOCK, RANDOM_INIT_BLOCK, SOLVERS, Settings
@@ -322,5 +323,6 @@ SECTION_FUNCS = {
     "phantom_fidelity": phantom_fidelity,
     "solvers": solvers,
     "nice": nice,
+    "dkef": dkef,
 }
 

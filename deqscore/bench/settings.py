@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-SECTIONS: tuple[str, ...] = ("memory_vs_iterations", "phantom_fidelity", "solvers", "nice")
+SECTIONS: tuple[str, ...] = ("memory_vs_iterations", "phantom_fidelity", "solvers", "nice", "dkef")
 SOLVERS: tuple[str, ...] = ("picard", "anderson", "broyden")
 DEFAULT_OUT = "benchmarks/results"
 MNIST_DIM = 784  # data dimension for which real (logit-space MNIST) inputs are used
@@ -62,6 +62,31 @@ class Settings:
     nice_max_iter: int = 128
     nice_phantom_steps: int = 2
     nice_warm_start: bool = False  # cold start from zeros in every step (the Lightning default warm-starts)
+    # 5. dkef: explicit shallow / explicit deep / DEQ feature nets, trained for a fixed budget (float32)
+    dkef_redwine: bool = True  # RedWine rows (skipped with a note when its file is not in dkef_data_root)
+    dkef_data_root: str = "../shared/data"  # folder of winequality-red.csv, relative to the repository root
+    dkef_data_seed: int = 2019  # UCIDataModule seed (shuffle, dequantisation, noise, highdim draws)
+    dkef_dims: tuple[int, ...] = (50, 200, 800)  # dimensions of the synthetic highdim N(0, I) data
+    dkef_n_centres: int = 200
+    dkef_hidden: int = 30
+    dkef_deep_layers: int = 16  # Linear layers of the explicit deep feature net
+    dkef_loss: str = "ssm_vr"
+    dkef_batch: int = 200  # alpha on the first half, the loss on the second
+    dkef_steps: int = 100  # training steps of every net (the first one, the warm-up, is measured for memory)
+    dkef_steps_by_dim: tuple[tuple[int, int], ...] = ((800, 40),)  # (dim, steps) overriding dkef_steps
+    dkef_lr: float = 0.01  # Adam
+    dkef_clip: float = 100.0  # gradient-norm clipping
+    dkef_solver: str = "picard"  # DEQ feature net: the options of configs/dkef/deq.yaml, cold start
+    dkef_tol: float = 5e-5
+    dkef_max_iter: int = 128
+    dkef_phantom_steps: int = 2
+    dkef_bandwidth_init: str = "median"  # "median" (heuristic on the initial features) or "default" (DKEF's own)
+    dkef_alpha_points: int = 1000  # training points alpha is refreshed on after training (and the median uses)
+    dkef_alpha_chunk: int = 250  # points per chunk of that alpha system
+    dkef_log_z_samples: int = 100_000  # importance samples of log Z on highdim (10 s per model at D = 800)
+    dkef_log_z_samples_redwine: int = 1_000_000  # ... on RedWine (the Lightning module's test-time count)
+    dkef_log_z_chunk: int = 10_000
+    dkef_proposal_std: float = 2.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -86,6 +111,17 @@ QUICK = replace(
     nice_dim=64,
     nice_hidden=128,
     nice_batch=32,
+    dkef_dims=(8, 16),
+    dkef_n_centres=10,
+    dkef_hidden=8,
+    dkef_batch=40,
+    dkef_steps=5,
+    dkef_steps_by_dim=(),
+    dkef_alpha_points=100,
+    dkef_alpha_chunk=50,
+    dkef_log_z_samples=2000,
+    dkef_log_z_samples_redwine=2000,
+    dkef_log_z_chunk=1000,
 )
 
 
