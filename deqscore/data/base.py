@@ -33,8 +33,8 @@ from deqscore.data.datasets import (
     TRAIN_NOISE_SEED,
     VAL_NOISE_SEED,
     ArrayImageDataset,
-    EpochShuffleSampler,
     PreprocessedImageDataset,
+    epoch_loader,
     split_indices,
 )
 from deqscore.data.lmdb_cache import LMDBImageDataset, build_lmdb_cache, lmdb_cache_info
@@ -231,15 +231,7 @@ class ImageDataModule(pl.LightningDataModule, abc.ABC):
         if dataset is None:
             stage = "fit" if name in ("train", "val") else "test"
             raise RuntimeError(f"the {name} dataset is not built; call setup({stage!r}) first")
-        return DataLoader(
-            dataset,
-            batch_size=batch_size,
-            sampler=EpochShuffleSampler(len(dataset), self.split_seed) if train else None,
-            drop_last=train,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            pin_memory=self.pin_memory,
-        )
+        return epoch_loader(dataset, batch_size, train, self.split_seed, self.num_workers, self.pin_memory)
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled training batches ``(x [B, dim], labels [B])``; the last incomplete batch is dropped."""

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from deqscore.data.transforms import DEFAULT_ALPHA, check_transform, preprocess
 
@@ -121,3 +121,20 @@ class EpochShuffleSampler(torch.utils.data.Sampler[int]):
 
     def __len__(self) -> int:
         return self.n
+
+
+def epoch_loader(
+    dataset: Dataset, batch_size: int, train: bool, seed: int, num_workers: int = 0, pin_memory: bool = False,
+    drop_last: bool | None = None,
+) -> DataLoader:
+    """A DataLoader of ``dataset``: training batches in an :class:`EpochShuffleSampler` order seeded by ``seed``
+    (``drop_last`` defaults to ``train``), evaluation batches in order."""
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=EpochShuffleSampler(len(dataset), seed) if train else None,
+        drop_last=train if drop_last is None else drop_last,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+        pin_memory=pin_memory,
+    )

@@ -55,7 +55,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from deqscore.data.datasets import EpochShuffleSampler
+from deqscore.data.datasets import epoch_loader
 from deqscore.data.errors import CorruptDataError, DataNotFoundError
 from deqscore.errors import ConfigError, check_count, choice_error
 
@@ -461,14 +461,9 @@ class UCIDataModule(pl.LightningDataModule):
 
     def _loader(self, data: torch.Tensor | None, name: str, batch_size: int, train: bool) -> DataLoader:
         data = self._split(data, name)
-        return DataLoader(
-            TensorDataset(data),
-            batch_size=batch_size,
-            sampler=EpochShuffleSampler(len(data), self.seed) if train else None,
-            drop_last=train and len(data) >= batch_size,  # keep a lone incomplete batch rather than none
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
+        # keep a lone incomplete batch rather than none
+        return epoch_loader(TensorDataset(data), batch_size, train, self.seed, self.num_workers,
+                            drop_last=train and len(data) >= batch_size)
 
     def train_dataloader(self) -> DataLoader:
         """Training batches ``(x [B, dim],)`` in a per-epoch seeded order; an incomplete last batch is dropped

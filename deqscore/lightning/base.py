@@ -108,8 +108,12 @@ class ScoreModule(pl.LightningModule):
         raise NotImplementedError(f"the {self.family!r} family does not draw samples")
 
     # ----- samples as images -------------------------------------------------------------------------
+    def datamodule(self) -> Any:
+        """The data module of the attached trainer, or None (a module used on its own)."""
+        return getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+
     def setup(self, stage: str) -> None:
-        codec = getattr(getattr(self._trainer, "datamodule", None), "codec", None)
+        codec = getattr(self.datamodule(), "codec", None)
         if codec is not None:  # remembered in checkpoints, so samples can be drawn without the data
             self.image_codec = codec
 
@@ -199,9 +203,8 @@ class ScoreModule(pl.LightningModule):
 
     def on_train_epoch_start(self) -> None:
         # data modules with epoch-dependent randomness (dequantisation noise, shuffling) follow the epoch
-        datamodule = getattr(self.trainer, "datamodule", None)
-        if hasattr(datamodule, "set_epoch"):
-            datamodule.set_epoch(self.current_epoch)
+        if hasattr(self.datamodule(), "set_epoch"):
+            self.datamodule().set_epoch(self.current_epoch)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if not self._run_facts_logged:

@@ -18,7 +18,6 @@ import warnings
 from pathlib import Path
 from typing import Any, NoReturn
 
-import torch
 from jsonargparse import Namespace
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.utilities import rank_zero_info
@@ -146,6 +145,7 @@ class DeqscoreCLI(LightningCLI):
         if not cfg.get("ckpt_path"):
             return
         ckpt = _check_checkpoint(cfg.ckpt_path, cfg.model.class_path)
+        self._resume_log_step = checkpoint_log_step(ckpt)  # read once here; a resume truncates its log there
         conflicts = checkpoint_conflicts(ckpt, cfg)
         if conflicts:
             usage_error(f"ckpt_path: {cfg.ckpt_path} holds another model than the config describes (give the "
@@ -172,8 +172,7 @@ class DeqscoreCLI(LightningCLI):
     def _continue_run(self, run_dir: Path, cfg: Namespace) -> None:
         """A resume: drop the log rows written after the checkpoint (they are logged again) and apply the
         optimiser options of the config over the restored ones."""
-        ckpt = torch.load(cfg.ckpt_path, map_location="cpu", weights_only=True)
-        dropped = truncate_log_after(run_dir / "metrics.csv", checkpoint_log_step(ckpt))
+        dropped = truncate_log_after(run_dir / "metrics.csv", self._resume_log_step)
         if dropped:
             rank_zero_info(f"{dropped} rows logged after the checkpoint were dropped from {run_dir / 'metrics.csv'}")
         if cfg.get("optimizer") and type(self.model).configure_optimizers is ScoreModule.configure_optimizers:

@@ -85,12 +85,9 @@ class DKEFModule(ScoreModule):
         self._log_z: tuple[float, float] | None = None
 
     # ----- data -----------------------------------------------------------------------------------------------
-    def _datamodule(self) -> Any:
-        return getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        datamodule = self._datamodule()
+        datamodule = self.datamodule()
         if stage == "fit" and datamodule is not None:  # a resumed run then restores its trained centres
             self.net.init_centres(datamodule.train_data, torch.Generator().manual_seed(0))
 
@@ -109,7 +106,7 @@ class DKEFModule(ScoreModule):
 
     def _refresh_alpha(self, seed: int) -> None:
         """Solve alpha on ``alpha_points`` random training points (seeded by the step: exact resume)."""
-        datamodule = self._datamodule()
+        datamodule = self.datamodule()
         if datamodule is None:
             return
         points = datamodule.train_subset(self.alpha_points, torch.Generator().manual_seed(seed)).to(self.device)
@@ -156,7 +153,7 @@ class DKEFModule(ScoreModule):
         if self.exact_sm_batches < 0 or batch_idx < self.exact_sm_batches:
             with deq_backward(self.net, "unroll"):  # the model as solved to tolerance (see NICEModule)
                 metrics["exact_sm"] = exact_score_matching(self.score_with(None), x, create_graph=False).mean()
-        datamodule = self._datamodule()
+        datamodule = self.datamodule()
         true_score = getattr(datamodule, "true_score", None)
         if true_score is not None and true_score(x) is not None:
             xg = x.detach().requires_grad_(True)
@@ -170,7 +167,7 @@ class DKEFModule(ScoreModule):
     def on_train_end(self) -> None:
         """Restore the best checkpoint, solve alpha on the whole training set, fine-tune ``log_lambda`` alone on
         validation batches and save ``checkpoints/final.ckpt``."""
-        trainer, datamodule = self.trainer, self._datamodule()
+        trainer, datamodule = self.trainer, self.datamodule()
         if datamodule is None or trainer.fast_dev_run:  # a smoke run has no best model to finish
             return
         best = getattr(trainer.checkpoint_callback, "best_model_path", "")

@@ -71,7 +71,7 @@ class NICEModule(ScoreModule):
     def eval_metrics(self, x: torch.Tensor, stage: str, batch_idx: int) -> dict[str, torch.Tensor]:
         logp = self.net.log_prob(x).detach()
         metrics = {"log_likelihood": logp.mean()}
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        datamodule = self.datamodule()
         if hasattr(datamodule, "bits_per_dim"):  # the data module knows its pre-processing
             name = "bits_per_dim" if datamodule.bits_per_dim_exact else "bits_per_dim_approx"
             metrics[name] = datamodule.bits_per_dim(logp, x).mean()
