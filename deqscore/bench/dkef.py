@@ -33,7 +33,6 @@ from .settings import Settings
 ROOT = Path(__file__).resolve().parents[2]
 FEATURE_NETS = (("explicit shallow", "shallow"), ("explicit deep", "deep"), ("DEQ", "deq"))
 RATIO_KEYS = ("params", "act_mib", "time_ms")
-BANDWIDTH_INITS = ("median", "default")
 
 
 # ---------------------------------------------------------------- building blocks (also used by the tests)
@@ -46,10 +45,11 @@ def deq_factory(s: Settings, **overrides: object) -> partial:
     return partial(DEQ, **kwargs)
 
 
-def build_dkef(s: Settings, kind: str, dim: int, **deq_overrides: object) -> DKEF:
+def build_dkef(s: Settings, kind: str, dim: int, bandwidth_init: str | None = None, **deq_overrides: object) -> DKEF:
     """A freshly initialised DKEF (seed ``s.seed``) with the ``kind`` feature nets."""
     torch.manual_seed(s.seed)
-    return DKEF(dim, s.dkef_n_centres, s.dkef_hidden, kind, s.dkef_deep_layers, deq=deq_factory(s, **deq_overrides))
+    return DKEF(dim, s.dkef_n_centres, s.dkef_hidden, kind, s.dkef_deep_layers, deq=deq_factory(s, **deq_overrides),
+                bandwidth_init=bandwidth_init or s.dkef_bandwidth_init, bandwidth_points=s.dkef_alpha_points)
 
 
 def make_module(net: DKEF, s: Settings) -> DKEFModule:
@@ -93,15 +93,6 @@ def step_activation_mib(module: DKEFModule, x: torch.Tensor) -> float:
         loss_and_backward(module, x)
     module.zero_grad(set_to_none=True)
     return meter.bytes / MIB
-
-
-@torch.no_grad()
-def median_bandwidth(net: DKEF, x: torch.Tensor) -> None:
-    """Median heuristic: shift each kernel's ``l_j`` by ``log10(median ||phi_j(x) - phi_j(z)||^2 / 2)``, so that
-    a point at the median feature distance from a centre has ``k = exp(-10^-l_j)`` (``exp(-1)`` for ``l_j = 0``)."""
-    for j, phi in enumerate(net.features):
-        sq = torch.cdist(phi(x), phi(net.centres)).pow(2)
-        net.kernel_log_scales[j] += math.log10(max(sq.median().item(), 1e-12) / 2)
 
 
 def refresh_alpha(module: DKEFModule, points: torch.Tensor, chunk: int) -> None:
@@ -251,8 +242,6 @@ def evaluate(module: DKEFModule, data: DKEFData, s: Settings, device: torch.devi
 def dkef_row(s: Settings, label: str, kind: str, data: DKEFData, device: torch.device) -> dict:
     net = build_dkef(s, kind, data.dim)
     net.init_centres(data.train.cpu(), torch.Generator().manual_seed(0))
-    if s.dkef_bandwidth_init == "median":
-        median_bandwidth(net, data.train[: s.dkef_alpha_points].cpu())
     module = make_module(net.to(device), s)
     row = {"data": data.name, "dim": data.dim, "model": label, "params": parameter_count(net)}
     row |= train(module, data, s, device)
@@ -280,8 +269,8 @@ def _ratio_row(rows: dict[str, dict], ratio: dict[str, float | None]) -> dict:
 
 
 def _default_init_kernel(s: Settings, data: DKEFData) -> float:
-    """Median kernel value on the test points at the model's own bandwidth init (before any training)."""
-    net = build_dkef(s, "shallow", data.dim)
+    """Median kernel value on the test points at the fixed widths ``10^l`` (before any training)."""
+    net = build_dkef(s, "shallow", data.dim, bandwidth_init="fixed")
     net.init_centres(data.train.cpu(), torch.Generator().manual_seed(0))
     with torch.no_grad():
         return net.kernel(data.test.cpu()).median().item()
@@ -297,8 +286,6 @@ def dkef(s: Settings, device: torch.device) -> Table:
         Column("ess", "IS ESS", ".0f"), Column("true_ll", "true test log-lik.", ".3f"),
         Column("fisher", "Fisher div.", ".4g"), Column("kernel_median", "median k (test)", ".2g"),
     ])
-    if s.dkef_bandwidth_init not in BANDWIDTH_INITS:
-        raise ValueError(f"dkef_bandwidth_init must be one of {BANDWIDTH_INITS}, got {s.dkef_bandwidth_init!r}")
     datasets, skipped = load_datasets(s, device)
     default_kernel, table.meta["ratios_deq_over_deep"] = {}, {}
     for data in datasets:
@@ -420,9 +407,9 @@ def _notes(s: Settings, rows: list[dict], default_kernel: dict[str, float]) -> l
         "highdim: N(0, I) data (4860 train / 600 test rows); true test log-lik. is that of N(0, I) on the same "
         "points, Fisher div. = 0.5 E||s_model(x) + x||^2 over them (DEQ score through the unrolled solve).",
         f"Kernel bandwidth init: `{s.dkef_bandwidth_init}`"
-        + (" (median heuristic: l_j shifted by log10(median squared feature distance / 2) between training points "
-           f"and centres). Median k on the test points at the model's own init (l = 0, 0.52, 0.52), shallow net: "
-           f"{init}; a k near 0 means kernels that vanish (no gradient reaches the features), so that DKEF stays "
-           "at its base q0: the reason for the heuristic."
+        + (" (DKEF's default: l_j shifted by log10(median squared feature distance / 2) between training points "
+           f"and centres). Median k on the test points at the fixed widths (`bandwidth_init: fixed`, l = 0, 0.52, "
+           f"0.52), shallow net: {init}; a k near 0 means kernels that vanish (no gradient reaches the features), "
+           "so that DKEF stays at its base q0: the reason for the median init."
            if s.dkef_bandwidth_init == "median" else f". Median k on the test points at this init: {init}."),
     ]

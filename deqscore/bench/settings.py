@@ -80,7 +80,7 @@ class Settings:
     dkef_tol: float = 5e-5
     dkef_max_iter: int = 128
     dkef_phantom_steps: int = 2
-    dkef_bandwidth_init: str = "median"  # "median" (heuristic on the initial features) or "default" (DKEF's own)
+    dkef_bandwidth_init: str = "median"  # DKEF bandwidth_init: "median" (from the data) or "fixed" (10^l as given)
     dkef_alpha_points: int = 1000  # training points alpha is refreshed on after training (and the median uses)
     dkef_alpha_chunk: int = 250  # points per chunk of that alpha system
     dkef_log_z_samples: int = 100_000  # importance samples of log Z on highdim (10 s per model at D = 800)

@@ -49,6 +49,7 @@ from .nice import DEQFactory
 DKEF_FEATURE_NETS = ("shallow", "deep", "deq")
 ALPHA_OBJECTIVES = ("exact", "sliced", "sliced_vr", "dsm")
 N_KERNELS = 3
+BANDWIDTH_INITS = ("median", "fixed")
 _DRAW_BLOCK = 1024  # proposal rows drawn per generator call: the samples do not depend on the chunk size
 
 
@@ -264,6 +265,11 @@ class DKEF(nn.Module):
         q0_std: standard deviation of the Gaussian base ``q0``.
         log_lambda: initial log10 ridge of the alpha solve (a trainable parameter).
         kernel_log_scales: initial ``l_j`` of the three kernels (trainable).
+        bandwidth_init: ``"median"`` (default) makes :meth:`init_centres` shift each ``l_j`` by
+            ``log10(median ||phi_j(x) - phi_j(z_m)||^2 / 2)`` over training points and centres, so that the
+            kernels neither vanish nor saturate whatever the data dimension; ``"fixed"`` keeps ``10^l_j`` as
+            given (the reference's widths, which vanish on whitened data from about D = 50 up).
+        bandwidth_points: training rows the median is taken over (the first rows of ``x``).
     """
 
     def __init__(
@@ -278,9 +284,16 @@ class DKEF(nn.Module):
         q0_std: float = 2.0,  # base density q0 = N(0, q0_std^2 I), unnormalised
         log_lambda: float = -2.0,  # initial log10 ridge of the alpha solve
         kernel_log_scales: tuple[float, float, float] = (0.0, 0.5185, 0.5185),  # initial l_j, bandwidth 10^l_j
+        bandwidth_init: Literal["median", "fixed"] = "median",  # l_j shifted by the data's feature distances
+        bandwidth_points: int = 1000,  # training rows the median feature distance is taken over
     ):
         super().__init__()
         _check_options(dim, n_centres, hidden, feature_net, deep_layers, q0_std, log_lambda, kernel_log_scales)
+        if bandwidth_init not in BANDWIDTH_INITS:
+            raise choice_error("DKEF bandwidth_init", bandwidth_init, BANDWIDTH_INITS)
+        check_count("DKEF bandwidth_points", bandwidth_points)
+        self.bandwidth_init, self.bandwidth_points = bandwidth_init, bandwidth_points
+        self._given_log_scales = tuple(float(v) for v in kernel_log_scales)
         self.dim, self.n_centres, self.feature_net, self.q0_std = dim, n_centres, feature_net, float(q0_std)
         self.features = nn.ModuleList(
             DKEFFeatureNet(dim, hidden, feature_net, deep_layers, deq or DEQ, grad_through_norm)
@@ -320,12 +333,26 @@ class DKEF(nn.Module):
 
     @torch.no_grad()
     def init_centres(self, x: Tensor, generator: torch.Generator | None = None) -> None:
-        """Set the centres to ``n_centres`` distinct random rows of the training data ``x``."""
+        """Set the centres to ``n_centres`` distinct random rows of the training data ``x`` and, with
+        ``bandwidth_init="median"``, the kernel widths from the feature distances between ``x`` and the centres."""
         self._check_x(x, finite=True)
         if x.shape[0] < self.n_centres:
             raise ValueError(f"init_centres needs at least n_centres={self.n_centres} rows, got {x.shape[0]}")
         idx = torch.randperm(x.shape[0], generator=generator, device=generator.device if generator else "cpu")
         self.centres.copy_(x[idx[: self.n_centres].to(x.device)])
+        if self.bandwidth_init == "median":
+            self.init_bandwidths(x[: self.bandwidth_points])
+
+    @torch.no_grad()
+    def init_bandwidths(self, x: Tensor) -> None:
+        """Median heuristic: ``l_j = l_j(given) + log10(median ||phi_j(x) - phi_j(z_m)||^2 / 2)``, so that a point
+        at the median feature distance from a centre has ``k_j = exp(-10^-l_j(given))`` (``exp(-1)`` at 0).
+        Idempotent: the shift is always applied to the widths given at construction."""
+        given = torch.tensor(self._given_log_scales, dtype=self.kernel_log_scales.dtype)
+        for j, phi in enumerate(self.features):
+            sq = torch.cdist(phi(self._check_x(x)), phi(self.centres)).pow(2)
+            given[j] += math.log10(max(sq.median().item(), 1e-12) / 2)
+        self.kernel_log_scales.copy_(given)
 
     @torch.no_grad()
     def set_alpha(self, alpha: Tensor) -> None:

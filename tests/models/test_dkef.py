@@ -202,6 +202,52 @@ def test_init_centres_copies_distinct_training_rows():
     assert (match.sum(1) == 1).all() and match.any(0).sum() == 5
 
 
+def _per_kernel_median(model, x):
+    """Median over (point, centre) pairs of each kernel ``k_j`` on its own: [3]."""
+    with torch.no_grad():
+        return torch.stack([
+            torch.exp(-torch.cdist(phi(x), phi(model.centres)).pow(2) / (2 * 10 ** model.kernel_log_scales[j])).median()
+            for j, phi in enumerate(model.features)])
+
+
+@pytest.mark.parametrize("feature_net", NETS)
+def test_median_bandwidth_init_puts_the_median_pair_at_exp_minus_ten_to_minus_l(feature_net):
+    given = (0.0, 0.5185, -0.3)
+    model = DKEF(dim=4, n_centres=7, hidden=5, feature_net=feature_net, deep_layers=3, kernel_log_scales=given,
+                 bandwidth_points=41).double()  # 41 x 7 pairs: an odd count, one median
+    x = _data(n=60, dim=4) * 3.0
+    model.init_centres(x, generator=torch.Generator().manual_seed(0))
+    # median k_j over the first 41 rows and the centres is exp(-10^-l_j(given)); the widths moved off the given ones
+    expected = torch.exp(-(10 ** -torch.tensor(given, dtype=F64)))
+    assert torch.allclose(_per_kernel_median(model, x[:41]), expected, rtol=1e-6)
+    assert not torch.allclose(model.kernel_log_scales, torch.tensor(given, dtype=F64), atol=0.1)
+    first = model.kernel_log_scales.detach().clone()
+    model.init_centres(x, generator=torch.Generator().manual_seed(0))  # a second call: the same widths
+    assert torch.equal(model.kernel_log_scales.detach(), first)
+
+
+def test_fixed_bandwidth_init_keeps_the_given_widths():
+    model = DKEF(dim=4, n_centres=7, hidden=5, feature_net="shallow", bandwidth_init="fixed").double()
+    model.init_centres(_data(n=60, dim=4) * 3.0)
+    assert torch.equal(model.kernel_log_scales.detach(), torch.tensor([0.0, 0.5185, 0.5185]).double())
+
+
+def test_median_init_keeps_kernels_alive_in_high_dimension():
+    """On N(0, I) data in 200 dimensions the fixed widths give kernels ~0 on held-out points (no gradient reaches
+    the features); the median init gives kernels of order exp(-1) and a feature gradient."""
+    x = torch.randn(400, 200, generator=torch.Generator().manual_seed(0))
+    medians, grads = {}, {}
+    for init in ("fixed", "median"):
+        torch.manual_seed(0)
+        model = DKEF(dim=200, n_centres=20, hidden=30, feature_net="shallow", bandwidth_init=init)
+        model.init_centres(x[:300], generator=torch.Generator().manual_seed(0))
+        medians[init] = model.kernel(x[300:]).median().item()
+        model.kernel(x[300:]).sum().backward()
+        grads[init] = sum(p.grad.norm() ** 2 for p in model.features.parameters()).sqrt().item()
+    assert medians["fixed"] < 1e-10 and 0.05 < medians["median"] < 0.9
+    assert grads["median"] > 1e4 * grads["fixed"]
+
+
 def test_init_is_normal_with_variance_one_over_fan_out():
     model = DKEF(dim=7, n_centres=3, hidden=400, feature_net="shallow")
     lin = model.features[0].body[2]
@@ -346,6 +392,8 @@ def test_alpha_from_fixed_system_tunes_log_lambda():
     ({"log_lambda": math.nan}, "log_lambda"),
     ({"kernel_log_scales": (0.0, 1.0)}, "kernel_log_scales"),
     ({"kernel_log_scales": (0.0, 1.0, math.inf)}, "kernel_log_scales"),
+    ({"bandwidth_init": "mean"}, "bandwidth_init"),
+    ({"bandwidth_points": 0}, "bandwidth_points"),
     ({"feature_net": "deq", "deq": partial(DEQ, backward="ift")}, "ift"),
 ])
 def test_bad_options_raise_config_error(kw, match):
