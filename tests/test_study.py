@@ -36,3 +36,23 @@ def test_unknown_variant_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         study.main(["--variants", "deq_nce", "--out", str(tmp_path)])
     assert "unknown variants ['deq_nce']" in capsys.readouterr().err
+
+
+def test_ncsn_study_reports_what_its_runs_logged_and_scored(tmp_path):
+    from deqscore.bench import ncsn_study
+
+    rows = ncsn_study.main([
+        "--steps", "2", "--ngf", "4", "--batch", "16", "--langevin-steps", "1", "--samples", "4", "--sample-batch", "4",
+        "--reference", "6", "--runs-root", str(tmp_path / "runs"), "--out", str(tmp_path / "out"),
+        "--stats-root", str(tmp_path / "stats"), "--extra", "--data.init_args.train_subset=48",
+        "--data.init_args.val_subset=16", "--data.init_args.eval_batch_size=16"])
+    assert [r["variant"] for r in rows] == ["deq", "explicit"]
+    for row in rows:
+        run = tmp_path / "runs" / f"ncsn_{row['variant']}"
+        report = json.loads((run / "samples" / "fid.json").read_text())
+        series = read_metrics_csv(run / "metrics.csv")
+        assert row["steps"] == 2 and row["fid"] == report["fid"] > 0 and row["fid_samples"] == 4
+        assert row["parameters"] == series["run/parameters"][-1][1]
+        assert row["val_loss"] == pytest.approx(series["val/loss"][-1][1])
+    md = (tmp_path / "out" / "ncsn_mnist_study.md").read_text()
+    assert "mnist train (6 images)" in md and f"{rows[0]['fid']:.2f}" in md

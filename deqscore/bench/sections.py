@@ -1,4 +1,5 @@
-"""The benchmark sections, each returning a :class:`~deqscore.bench.report.Table` (``dkef``: its own module)."""
+"""The benchmark sections, each returning a :class:`~deqscore.bench.report.Table` (``dkef``, ``ncsn``: their own
+modules)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from ..metrics import parameter_count
 from ..models import NICE, DEQMNet, explicit_mlp
 from .dkef import dkef
 from .measure import CouplingDensity, log, make_inputs, measure_step, ssm_step, timed
+from .ncsn import ncsn
 from .report import Column, Table
 from .settings import FORCED_TOL, MAIN_SOLVER_BLOCK, RANDOM_INIT_BLOCK, SOLVERS, Settings
 
@@ -324,5 +326,6 @@ SECTION_FUNCS = {
     "solvers": solvers,
     "nice": nice,
     "dkef": dkef,
+    "ncsn": ncsn,
 }
 

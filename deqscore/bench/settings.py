@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-SECTIONS: tuple[str, ...] = ("memory_vs_iterations", "phantom_fidelity", "solvers", "nice", "dkef")
+SECTIONS: tuple[str, ...] = ("memory_vs_iterations", "phantom_fidelity", "solvers", "nice", "dkef", "ncsn")
 SOLVERS: tuple[str, ...] = ("picard", "anderson", "broyden")
 DEFAULT_OUT = "benchmarks/results"
 MNIST_DIM = 784  # data dimension for which real (logit-space MNIST) inputs are used
@@ -87,6 +87,20 @@ class Settings:
     dkef_log_z_samples_redwine: int = 1_000_000  # ... on RedWine (the Lightning module's test-time count)
     dkef_log_z_chunk: int = 10_000
     dkef_proposal_std: float = 2.0
+    # 6. ncsn: bodies at 32x32 (one training step, sampling cost)
+    ncsn_side: int = 32
+    ncsn_ngf: int = 128
+    ncsn_batch: int = 128
+    ncsn_losses: tuple[str, ...] = ("annealed_dsm", "annealed_ssm_vr")
+    ncsn_sigma_max: float = 50.0  # the CIFAR-10 schedule
+    ncsn_sigma_min: float = 0.01
+    ncsn_levels: int = 232
+    ncsn_langevin_steps: int = 5  # per level
+    ncsn_sample_batch: int = 128
+    ncsn_solver: str = "anderson"  # the reference's Picard at an absolute 1e-5 over the whole batch runs to
+    ncsn_tol: float = 1e-3  # max_iter at this size; a relative tolerance keeps CPU rows affordable
+    ncsn_stop_mode: str = "rel"
+    ncsn_max_iter: int = 40
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -122,6 +136,11 @@ QUICK = replace(
     dkef_log_z_samples=2000,
     dkef_log_z_samples_redwine=2000,
     dkef_log_z_chunk=1000,
+    ncsn_side=8,
+    ncsn_ngf=4,
+    ncsn_batch=4,
+    ncsn_levels=10,
+    ncsn_sample_batch=4,
 )
 
 

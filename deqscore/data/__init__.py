@@ -4,10 +4,12 @@ the UCI density-estimation data sets of the DKEF experiments (:class:`UCIDataMod
 
 Layout: :mod:`.base` (``ImageDataModule``), :mod:`.datasets` (split, datasets, sampler), :mod:`.transforms`
 (pre-processing, bits/dim, ``ImageCodec``), :mod:`.lmdb_cache`, :mod:`.zarr` (zarr zip reader),
-:mod:`.errors` and one module per dataset (:mod:`.mnist`, :mod:`.uci`).
+:mod:`.errors` and one module per dataset (:mod:`.mnist`, :mod:`.cifar`, :mod:`.celeba`, :mod:`.uci`).
 """
 
 from deqscore.data.base import ImageDataModule
+from deqscore.data.celeba import CelebADataModule
+from deqscore.data.cifar import CIFAR10DataModule
 from deqscore.data.datasets import ArrayImageDataset, EpochShuffleSampler, PreprocessedImageDataset, split_indices
 from deqscore.data.errors import CorruptDataError, DataNotFoundError
 from deqscore.data.lmdb_cache import LMDBImageDataset, build_lmdb_cache, lmdb_cache_info
@@ -34,6 +36,8 @@ __all__ = [
     "DEFAULT_ALPHA",
     "TRANSFORMS",
     "ArrayImageDataset",
+    "CIFAR10DataModule",
+    "CelebADataModule",
     "CorruptDataError",
     "DataNotFoundError",
     "EpochShuffleSampler",

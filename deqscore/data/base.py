@@ -78,10 +78,12 @@ class ImageDataModule(pl.LightningDataModule, abc.ABC):
         use_lmdb: read images from an LMDB cache built once under ``<data_dir>/<name>_lmdb/``.
         transform: ``"logit_squeeze"`` (invertible squeeze ``alpha + (1 - 2 alpha)(k + U)/256`` then logit;
             gives exact pixel-space bits/dim), ``"logit"`` (reference pre-processing: dequantise, clamp to
-            ``[alpha, 1 - alpha]``, logit) or ``"unit"`` (the reference clamp without the logit, values in
-            ``[0, 1]``).
+            ``[alpha, 1 - alpha]``, logit), ``"unit"`` (the reference clamp without the logit, values in
+            ``[0, 1]``) or ``"pixels"`` (``k/255`` exactly, no noise: the convention of score networks on images).
         alpha: clamp/squeeze margin.
         pin_memory: pin batches in page-locked memory (for GPU training).
+        random_flip: flip training items horizontally with probability 1/2 (val/test never), the coin seeded per
+            epoch and item like the dequantisation noise, so a resumed run sees the same flips.
     """
 
     #: short lower-case name of the dataset (LMDB cache folder ``<data_dir>/<name>_lmdb``)
@@ -110,9 +112,10 @@ class ImageDataModule(pl.LightningDataModule, abc.ABC):
         val_subset: int | None = None,
         test_subset: int | None = None,
         use_lmdb: bool = False,
-        transform: Literal["logit", "unit", "logit_squeeze"] = "logit_squeeze",
+        transform: Literal["logit", "unit", "logit_squeeze", "pixels"] = "logit_squeeze",
         alpha: float = DEFAULT_ALPHA,
         pin_memory: bool = False,
+        random_flip: bool = False,
     ) -> None:
         super().__init__()
         self._check_class_attributes()
@@ -134,6 +137,7 @@ class ImageDataModule(pl.LightningDataModule, abc.ABC):
         self.transform = transform
         self.alpha = alpha
         self.pin_memory = pin_memory
+        self.random_flip = random_flip
         self.train_dataset: PreprocessedImageDataset | None = None
         self.val_dataset: PreprocessedImageDataset | None = None
         self.test_dataset: PreprocessedImageDataset | None = None
@@ -177,6 +181,12 @@ class ImageDataModule(pl.LightningDataModule, abc.ABC):
             )
         return images, labels
 
+    def raw_images(self, train: bool = True) -> np.ndarray:
+        """The official train (or test) split as uint8 images ``[N, *image_shape]``, before any pre-processing
+        (FID reference statistics are taken on these). Never downloads."""
+        images, _ = self._arrays(train, download=False)
+        return images.reshape(len(images), *self.image_shape)
+
     # -- LMDB cache ----------------------------------------------------------------------------------------
 
     def lmdb_path(self, train: bool) -> Path:
@@ -207,7 +217,8 @@ class ImageDataModule(pl.LightningDataModule, abc.ABC):
         if stage in (None, "fit", "validate") and self.train_dataset is None:
             base = self._base(train=True)
             train_idx, val_idx = split_indices(len(base), self.val_fraction, self.split_seed)
-            self.train_dataset = self._preprocessed(base, train_idx[: self.train_subset], TRAIN_NOISE_SEED, True)
+            self.train_dataset = self._preprocessed(base, train_idx[: self.train_subset], TRAIN_NOISE_SEED, True,
+                                                    flip=self.random_flip)
             self.val_dataset = self._preprocessed(base, val_idx[: self.val_subset], VAL_NOISE_SEED, False)
         if stage in (None, "test", "predict") and self.test_dataset is None:
             base = self._base(train=False)
@@ -215,10 +226,11 @@ class ImageDataModule(pl.LightningDataModule, abc.ABC):
             self.test_dataset = self._preprocessed(base, test_idx, TEST_NOISE_SEED, False)
 
     def _preprocessed(
-        self, base: Dataset, indices: np.ndarray, noise_seed: int, per_epoch: bool
+        self, base: Dataset, indices: np.ndarray, noise_seed: int, per_epoch: bool, flip: bool = False
     ) -> PreprocessedImageDataset:
         # per_epoch: training noise changes with the epoch; val/test noise is fixed per item
-        return PreprocessedImageDataset(base, indices, self.transform, self.alpha, noise_seed, per_epoch=per_epoch)
+        return PreprocessedImageDataset(base, indices, self.transform, self.alpha, noise_seed, per_epoch=per_epoch,
+                                        flip_shape=self.image_shape if flip else None)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the training epoch's dequantisation noise (called by the LightningModule each epoch)."""

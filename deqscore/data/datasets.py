@@ -68,6 +68,8 @@ class PreprocessedImageDataset(Dataset):
             seeded with ``noise_seed + base_index`` (evaluation).
         per_epoch: add ``epoch * 10^7`` to that seed, the epoch being set by :meth:`set_epoch` (training):
             fresh noise every epoch, reproducible across resumes and DataLoader workers.
+        flip_shape: the image shape ``(C, H, W)`` to flip items horizontally with probability 1/2, the coin drawn
+            from the item's generator after its noise (so reproducible as the noise is); None: no flips.
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class PreprocessedImageDataset(Dataset):
         alpha: float = DEFAULT_ALPHA,
         noise_seed: int | None = None,
         per_epoch: bool = False,
+        flip_shape: tuple[int, ...] | None = None,
     ) -> None:
         self.base = base
         self.indices = np.asarray(indices, dtype=np.int64)
@@ -85,6 +88,7 @@ class PreprocessedImageDataset(Dataset):
         self.alpha = alpha
         self.noise_seed = noise_seed
         self.per_epoch = per_epoch
+        self.flip_shape = tuple(flip_shape) if flip_shape is not None else None
         # shared memory, so persistent DataLoader workers see the epoch the main process sets
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
 
@@ -102,6 +106,8 @@ class PreprocessedImageDataset(Dataset):
             epoch_offset = int(self._epoch) * EPOCH_STRIDE if self.per_epoch else 0
             generator = torch.Generator().manual_seed(self.noise_seed + epoch_offset + base_index)
         x = preprocess(image.reshape(-1), self.transform, self.alpha, generator)
+        if self.flip_shape is not None and bool(torch.rand((), generator=generator) < 0.5):
+            x = x.view(self.flip_shape).flip(-1).reshape(-1)
         return x, int(label)
 
 

@@ -60,8 +60,11 @@ __all__ = [
 #: Clamp / squeeze margin used by the reference code (``[1e-3, 1 - 1e-3]``).
 DEFAULT_ALPHA = 1e-3
 #: Names accepted by :func:`preprocess`: ``"logit"`` (REF clamp + logit), ``"unit"`` (REF clamp, no logit),
-#: ``"logit_squeeze"`` (invertible squeeze + logit, for exact pixel-space bits/dim).
-TRANSFORMS: tuple[str, ...] = ("logit", "unit", "logit_squeeze")
+#: ``"logit_squeeze"`` (invertible squeeze + logit, for exact pixel-space bits/dim), ``"pixels"`` (``k/255``, no
+#: noise: the score networks' convention, images in [0, 1]).
+TRANSFORMS: tuple[str, ...] = ("logit", "unit", "logit_squeeze", "pixels")
+#: transforms with no logit, for which alpha may be 0
+_NO_LOGIT = ("unit", "pixels")
 
 
 def _check_alpha(alpha: float) -> None:
@@ -233,9 +236,12 @@ def preprocess(
 
     * ``"logit"``: ``logit(clamp(k/255 + (U - 0.5)/256, alpha, 1 - alpha))`` (reference pipeline),
     * ``"unit"``: ``clamp(k/255 + (U - 0.5)/256, alpha, 1 - alpha)``,
-    * ``"logit_squeeze"``: ``logit(alpha + (1 - 2 alpha)(k + U)/256)`` (invertible).
+    * ``"logit_squeeze"``: ``logit(alpha + (1 - 2 alpha)(k + U)/256)`` (invertible),
+    * ``"pixels"``: ``k/255`` (no noise, ``alpha`` unused; NCSN's input convention).
     """
     check_transform(transform)
+    if transform == "pixels":
+        return images.to(torch.float32) / 255.0
     if transform == "unit":
         return dequantize(images, generator, alpha)
     if alpha <= 0.0:
@@ -250,7 +256,7 @@ def preprocess(
 def to_unit(x: torch.Tensor, transform: str = "logit", alpha: float = DEFAULT_ALPHA) -> torch.Tensor:
     """Inverse of :func:`preprocess` up to the noise: model-space values to intensities in ``[0, 1]``."""
     check_transform(transform)
-    if transform == "unit":
+    if transform in _NO_LOGIT:
         out = x
     elif transform == "logit":
         out = inverse_logit(x)
@@ -286,10 +292,10 @@ class ImageCodec:
 
     def __post_init__(self) -> None:
         check_transform(self.transform)
-        # the logit of 0 or 1 is infinite, so only "unit" accepts alpha = 0
-        lowest_ok = self.alpha >= 0.0 if self.transform == "unit" else self.alpha > 0.0
+        # the logit of 0 or 1 is infinite, so only the transforms without a logit accept alpha = 0
+        lowest_ok = self.alpha >= 0.0 if self.transform in _NO_LOGIT else self.alpha > 0.0
         if not (lowest_ok and self.alpha < 0.5):
-            interval = "[0, 0.5)" if self.transform == "unit" else "(0, 0.5)"
+            interval = "[0, 0.5)" if self.transform in _NO_LOGIT else "(0, 0.5)"
             raise ValueError(f"alpha must lie in {interval} for transform {self.transform!r}, got {self.alpha}")
         shape = tuple(int(s) for s in self.image_shape)
         if not shape or min(shape) < 1:
@@ -329,6 +335,9 @@ class ImageCodec:
         for ``"unit"`` ``log_prob`` is already a density on ``[0, 1]^D``. Exact for ``"logit_squeeze"``,
         approximate for the reference clamp pipelines (see :attr:`exact_bits_per_dim`).
         """
+        if self.transform == "pixels":
+            raise ValueError("transform 'pixels' keeps the 256 pixel values discrete: a density has no bits/dim "
+                             "there; use 'logit_squeeze' (exact) for likelihoods")
         log_prob = log_prob.double()
         if self.transform == "unit":
             dims = x[0].numel()

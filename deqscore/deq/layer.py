@@ -79,7 +79,8 @@ class DEQ(nn.Module):
         phantom_steps: K, differentiable steps after the solve (phantom mode); must be >= 1.
         phantom_damping: lambda in (0, 1] of the phantom steps.
         injection_prestep: before the K steps, apply ``func`` once with only the injection ``u`` carrying
-            gradient (the reference code's pattern; requires ``func(z, u) = h(z) + u``).
+            gradient (the reference code's pattern; requires ``func(z, u) = h(z) + u``). A ``func`` with a
+            method ``prestep_residual(z, u)`` supplies ``h`` itself (used for a reference variant).
         warm_start: start from the previous fixed point when the input shape and device repeat (never under
             ``"unroll"``, whose derivative depends on the start).
         ift_max_iter, ift_tol: iteration cap and tolerance of the IFT backward's fixed-point solve.
@@ -125,8 +126,9 @@ class DEQ(nn.Module):
         self.ift_tol = ift_tol
         self.warn_on_nonconvergence = warn_on_nonconvergence
         self.stats: SolverStats | None = None
-        # Plain data, never in checkpoints; every process (DDP rank) keeps its own.
-        self.register_buffer("z_cache", None, persistent=False)
+        # Plain data, never in checkpoints; every process (DDP rank) keeps its own. Not a buffer: the set of a
+        # module's buffers must not change when a forward fills the cache (weight averaging pairs buffers by order).
+        self.z_cache: torch.Tensor | None = None
 
     def extra_repr(self) -> str:
         return (
@@ -181,8 +183,8 @@ class DEQ(nn.Module):
     def _phantom(self, z_star: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         z = z_star.detach()
         if self.injection_prestep:
-            with torch.no_grad():
-                h = self.func(z, u) - u
+            with torch.no_grad():  # a map may define its own pre-step residual (e.g. a reference variant)
+                h = self.func.prestep_residual(z, u) if hasattr(self.func, "prestep_residual") else self.func(z, u) - u
             z = h + u
         lam = self.phantom_damping
         for _ in range(self.phantom_steps):

@@ -4,12 +4,17 @@ from .base import CheckpointFamilyError, NonFiniteLossError, ScoreModule, family
 from .callbacks import LearningCurves, SampleGrid
 from .checkpoint import build_module, load_module
 from .dkef import DKEFModule
+from .fid import FIDCallback
+from .ncsn import NCSN_LOSSES, NCSNModule
 from .nice import NICE_LOSSES, NICEModule
 
 __all__ = [
+    "NCSN_LOSSES",
+    "NCSNModule",
     "NICE_LOSSES",
     "CheckpointFamilyError",
     "DKEFModule",
+    "FIDCallback",
     "LearningCurves",
     "NICEModule",
     "NonFiniteLossError",

@@ -37,6 +37,7 @@ from ..metrics import SavedTensorMeter, parameter_count
 
 FAMILY_KEY = "deqscore_family"
 CODEC_KEY = "deqscore_image_codec"
+DATA_KEY = "deqscore_data"
 
 _FAMILIES: dict[str, type[ScoreModule]] = {}
 
@@ -93,6 +94,8 @@ class ScoreModule(pl.LightningModule):
                 del self.hparams[key]
         self._run_facts_logged = False
         self.image_codec: ImageCodec | None = None
+        # the image data module's class and data folder: where FID reference images come from after training
+        self.data_source: dict[str, str] | None = None
 
     # ----- to implement per family -------------------------------------------------------------------
     def compute_loss(self, x: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
@@ -113,9 +116,13 @@ class ScoreModule(pl.LightningModule):
         return getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
 
     def setup(self, stage: str) -> None:
-        codec = getattr(self.datamodule(), "codec", None)
+        datamodule = self.datamodule()
+        codec = getattr(datamodule, "codec", None)
         if codec is not None:  # remembered in checkpoints, so samples can be drawn without the data
             self.image_codec = codec
+            kind = type(datamodule)
+            self.data_source = {"class_path": f"{kind.__module__}.{kind.__qualname__}",
+                                "data_dir": str(getattr(datamodule, "data_dir", "datasets"))}
 
     @torch.no_grad()
     def sample_images(self, n: int) -> torch.Tensor:
@@ -265,6 +272,8 @@ class ScoreModule(pl.LightningModule):
         checkpoint[FAMILY_KEY] = self.family
         if self.image_codec is not None:
             checkpoint[CODEC_KEY] = self.image_codec.as_dict()
+        if self.data_source is not None:
+            checkpoint[DATA_KEY] = dict(self.data_source)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         found = checkpoint.get(FAMILY_KEY)
@@ -275,3 +284,5 @@ class ScoreModule(pl.LightningModule):
             )
         if checkpoint.get(CODEC_KEY) is not None:
             self.image_codec = ImageCodec.from_dict(checkpoint[CODEC_KEY])
+        if checkpoint.get(DATA_KEY) is not None:
+            self.data_source = dict(checkpoint[DATA_KEY])

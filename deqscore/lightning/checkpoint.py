@@ -25,6 +25,8 @@ from pytorch_lightning.core.mixins.hparams_mixin import _given_hyperparameters_c
 from ..errors import ConfigError
 from .base import FAMILY_KEY, CheckpointFamilyError, ScoreModule, family_registry
 
+# where Lightning's weight averaging keeps the trained (not averaged) weights in a checkpoint
+RAW_WEIGHTS_KEY = "current_model_state"
 # the instantiator Lightning records next to CLI-built hyper-parameters (and trusts when loading)
 _INSTANTIATOR = "pytorch_lightning.cli.instantiate_module"
 
@@ -66,9 +68,12 @@ def read_checkpoint(path: str | Path, map_location: str = "cpu") -> dict[str, An
     return ckpt
 
 
-def load_module(path: str | Path, family: str | None = None, map_location: str = "cpu") -> ScoreModule:
+def load_module(path: str | Path, family: str | None = None, map_location: str = "cpu",
+                raw_weights: bool = False) -> ScoreModule:
     """Rebuild the LightningModule stored in ``path``; with ``family`` given, a checkpoint of another family
-    raises :class:`CheckpointFamilyError`."""
+    raises :class:`CheckpointFamilyError`. A run with weight averaging (EMA) stores the averaged weights as the
+    checkpoint's ``state_dict``, which is what is loaded; ``raw_weights=True`` loads the trained weights kept
+    beside them instead (the same weights for a run without averaging)."""
     ckpt = read_checkpoint(path, map_location)
     found = ckpt[FAMILY_KEY]
     if family is not None and found != family:
@@ -81,5 +86,5 @@ def load_module(path: str | Path, family: str | None = None, map_location: str =
         )
     module = _instantiate(hparams)
     module.on_load_checkpoint(ckpt)
-    module.load_state_dict(ckpt["state_dict"])
+    module.load_state_dict(ckpt[RAW_WEIGHTS_KEY] if raw_weights and RAW_WEIGHTS_KEY in ckpt else ckpt["state_dict"])
     return module.to(map_location)

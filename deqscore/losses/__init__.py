@@ -13,7 +13,16 @@ torch.Size([5])
 
 from __future__ import annotations
 
-from .annealed import annealed_dsm, annealed_fd_ssm, annealed_ssm_vr, geometric_sigmas
+from .annealed import (
+    SCHEDULES,
+    annealed_dsm,
+    annealed_fd_ssm,
+    annealed_ssm_vr,
+    check_decreasing,
+    geometric_sigmas,
+    linear_sigmas,
+    noise_schedule,
+)
 from .objectives import (
     DSM,
     SSM,
@@ -44,6 +53,7 @@ __all__ = [
     "DSM",
     "DSM_WEIGHTINGS",
     "PROJECTIONS",
+    "SCHEDULES",
     "SSM",
     "SSMVR",
     "AnnealedDSM",
@@ -57,10 +67,13 @@ __all__ = [
     "annealed_fd_ssm",
     "annealed_ssm_vr",
     "build_loss",
+    "check_decreasing",
     "denoising_score_matching",
     "exact_score_matching",
     "geometric_sigmas",
+    "linear_sigmas",
     "loss_names",
+    "noise_schedule",
     "random_projections",
     "register_loss",
     "score_from_energy",

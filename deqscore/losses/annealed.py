@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..errors import check_count, check_real
+from ..errors import ConfigError, check_count, check_real, choice_error
 from .score_matching import _dot, _flat_sq, checked_score, input_grad, prepare_input
 
 Tensor = torch.Tensor
@@ -31,6 +31,40 @@ CondScoreFn = Callable[[Tensor, Tensor], Tensor]
 def geometric_sigmas(sigma_max: float, sigma_min: float, n_levels: int) -> Tensor:
     """``exp(linspace(log sigma_max, log sigma_min, L))``: the NCSN noise schedule, largest first."""
     return torch.exp(torch.linspace(math.log(sigma_max), math.log(sigma_min), n_levels, dtype=torch.float64))
+
+
+def linear_sigmas(sigma_max: float, sigma_min: float, n_levels: int) -> Tensor:
+    """``linspace(sigma_max, sigma_min, L)``: evenly spaced noise levels, largest first."""
+    return torch.linspace(sigma_max, sigma_min, n_levels, dtype=torch.float64)
+
+
+#: noise schedules by name: ``(sigma_max, sigma_min, n_levels) -> sigmas``, largest first
+SCHEDULES: dict[str, Callable[[float, float, int], Tensor]] = {"geometric": geometric_sigmas, "linear": linear_sigmas}
+
+
+def noise_schedule(kind: str, sigma_max: float, sigma_min: float, n_levels: int) -> Tensor:
+    """The ``kind`` schedule (float64, strictly decreasing), or a :class:`~deqscore.errors.ConfigError` naming the
+    option that is wrong (an unknown name, a non-positive level, ``sigma_max <= sigma_min``, ``n_levels < 2``).
+
+    >>> [round(s, 12) for s in noise_schedule("geometric", 1.0, 0.01, 3).tolist()]
+    [1.0, 0.1, 0.01]
+    """
+    if kind not in SCHEDULES:
+        raise choice_error("noise schedule", kind, SCHEDULES)
+    check_real("sigma_max", sigma_max)
+    check_real("sigma_min", sigma_min)
+    check_count("n_levels", n_levels, low=2, why=" (an annealed schedule has at least two noise levels)")
+    if not sigma_max > sigma_min:
+        raise ConfigError(f"the noise schedule must decrease: sigma_max={sigma_max} must exceed sigma_min={sigma_min}")
+    return SCHEDULES[kind](sigma_max, sigma_min, n_levels)
+
+
+def check_decreasing(sigmas: Tensor) -> Tensor:
+    """``sigmas`` checked to be finite, positive and strictly decreasing (the order samplers anneal in)."""
+    sigmas = _checked_sigmas(sigmas)
+    if len(sigmas) > 1 and not bool((sigmas[1:] < sigmas[:-1]).all()):
+        raise ValueError(f"sigmas must be strictly decreasing (largest first), got {sigmas.tolist()}")
+    return sigmas
 
 
 def _checked_sigmas(sigmas: Tensor) -> Tensor:

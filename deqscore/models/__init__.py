@@ -1,8 +1,10 @@
 """Plain ``nn.Module`` networks (no Lightning): NICE flows with explicit or DEQ coupling networks, and NICE's
 own losses (maximum likelihood, Kingma and curvature-propagation approximate backprop); DKEF, the deep kernel
-exponential family with its closed-form coefficient solve."""
+exponential family with its closed-form coefficient solve; NCSN, noise-conditional score networks (NCSNv2, a
+shallow explicit baseline, a DEQ body)."""
 
 from .dkef import ALPHA_OBJECTIVES, DKEF, DKEF_FEATURE_NETS, DEQFeatureBody, DKEFDEQMap, DKEFFeatureNet
+from .ncsn import NCSN, NCSN_BODIES, NCSNDEQMap
 from .nice import M_NETS, NICE, DEQFactory, DEQMNet, NICEDEQMap, explicit_mlp
 from .nice_losses import CurvaturePropagationSM, KingmaSM, MaximumLikelihood, NICEObjective
 
@@ -14,6 +16,9 @@ __all__ = [
     "DKEFDEQMap",
     "DKEFFeatureNet",
     "M_NETS",
+    "NCSN",
+    "NCSN_BODIES",
+    "NCSNDEQMap",
     "NICE",
     "CurvaturePropagationSM",
     "DEQFactory",

@@ -1,4 +1,5 @@
-"""Sampling utilities: PNG grids, and drawing samples from any family's module in batches, in memory
+"""Sampling: annealed Langevin dynamics (:class:`AnnealedLangevin`), PNG grids, and drawing samples from any
+family's module in batches, in memory
 (:func:`draw_samples`, for small ``n``) or streamed to an ``.npy`` file (:func:`stream_samples`, any ``n``).
 
 >>> import torch, tempfile, os
@@ -16,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .grid import save_image_grid
+from .langevin import LANGEVIN_INITS, LANGEVIN_VARIANTS, AnnealedLangevin
 from .stream import (
     GRID_SIZE,
     NpyAppender,
@@ -28,6 +30,9 @@ from .stream import (
 )
 
 __all__ = [
+    "LANGEVIN_INITS",
+    "LANGEVIN_VARIANTS",
+    "AnnealedLangevin",
     "GRID_SIZE",
     "NpyAppender",
     "OutputError",

@@ -3,19 +3,19 @@
 ``stream_samples(draw, n, out_dir)`` calls ``draw(k)`` with ``k <= batch_size`` until ``n`` images are drawn and
 writes
 
-* ``<out_dir>/samples.npy``: every sample, a NumPy array ``[n, C, H, W]`` of the dtype ``draw`` returns
-  (``float32`` for the modules' images in [0, 1]). Each batch is appended to the file and flushed as soon as
-  it is drawn; read it without loading it whole with ``np.load(path, mmap_mode="r")``.
+* ``<out_dir>/samples.npz``: every sample, the array ``samples`` ``[n, C, H, W]`` of the dtype ``draw`` returns
+  (``float32`` for the modules' images in [0, 1]). Each batch is appended to the archive and flushed as soon as
+  it is drawn; read it with ``np.load(path)["samples"]``.
 * ``<out_dir>/samples.png``: a grid of the first ``min(n, 100)`` samples.
 
-Both are written under temporary names (``.samples.partial.<pid>.npy`` and ``.png``) and renamed onto the final
+Both are written under temporary names (``.samples.partial.<pid>.npz`` and ``.png``) and renamed onto the final
 names only once everything is written; an exception (Ctrl-C included) removes them, so a file under a final
 name is always complete.
 
 >>> import tempfile, numpy as np, torch
 >>> out = tempfile.mkdtemp()
 >>> files = stream_samples(lambda k: torch.full((k, 1, 2, 2), 0.5), 5, out, batch_size=2, progress=False)
->>> np.load(files.array).shape, files.shape
+>>> np.load(files.array)["samples"].shape, files.shape
 ((5, 1, 2, 2), (5, 1, 2, 2))
 """
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -53,9 +54,9 @@ class SampleFiles:
 
 
 def output_paths(out_dir: str | Path, stem: str = "samples") -> tuple[Path, Path]:
-    """The final ``(<stem>.npy, <stem>.png)`` in ``out_dir``."""
+    """The final ``(<stem>.npz, <stem>.png)`` in ``out_dir``."""
     out_dir = Path(out_dir)
-    return out_dir / f"{stem}.npy", out_dir / f"{stem}.png"
+    return out_dir / f"{stem}.npz", out_dir / f"{stem}.png"
 
 
 # ----- checking the output location before anything is drawn ---------------------------------------------------
@@ -88,18 +89,22 @@ def check_output_dir(out_dir: str | Path, stem: str = "samples") -> None:
 
 # ----- writing -----------------------------------------------------------------------------------------------
 class NpyAppender:
-    """An ``.npy`` file of a shape known in advance, written batch by batch along the first axis.
+    """An ``.npy`` array of a shape known in advance, written batch by batch along the first axis: to an ``.npy``
+    file, or with ``member`` to the array ``member`` of an ``.npz`` archive (stored, not compressed: ``.npz`` is a
+    zip of ``.npy`` files, so the array streams into it the same way; zip64, so any size fits).
 
-    The header records the final shape; each :meth:`append` writes one C-ordered batch and flushes it, and
-    nothing is kept in memory. :meth:`close` checks that exactly ``shape[0]`` rows were written.
+    The header records the final shape; each :meth:`append` writes one C-ordered batch and flushes it to the file,
+    and nothing is kept in memory. :meth:`close` checks that exactly ``shape[0]`` rows were written.
     """
 
-    def __init__(self, path: str | Path, shape: tuple[int, ...], dtype: np.dtype) -> None:
+    def __init__(self, path: str | Path, shape: tuple[int, ...], dtype: np.dtype, member: str | None = None) -> None:
         self.path, self.shape, self.dtype = Path(path), tuple(int(s) for s in shape), np.dtype(dtype)
         if self.dtype.hasobject:
             raise ValueError(f"cannot stream an array of Python objects ({self.dtype}) to {self.path}")
         self.rows = 0
-        self._file: BinaryIO = open(self.path, "wb")  # closed by close() or __exit__
+        self._raw: BinaryIO = open(self.path, "wb")  # closed by close() or __exit__
+        self._zip = None if member is None else zipfile.ZipFile(self._raw, "w", zipfile.ZIP_STORED, allowZip64=True)
+        self._file = self._raw if self._zip is None else self._zip.open(f"{member}.npy", "w", force_zip64=True)
         header = {"descr": np.lib.format.dtype_to_descr(self.dtype), "fortran_order": False, "shape": self.shape}
         np.lib.format.write_array_header_1_0(self._file, header)
 
@@ -110,11 +115,19 @@ class NpyAppender:
         if self.rows + len(batch) > self.shape[0]:
             raise ValueError(f"{self.rows + len(batch)} rows exceed the {self.shape[0]} of {self.path}")
         self._file.write(np.ascontiguousarray(batch).data)
-        self._file.flush()
+        self._raw.flush()
         self.rows += len(batch)
 
+    def _close_files(self) -> None:
+        try:
+            if self._zip is not None:  # the member, then the archive's directory; the raw file last
+                self._file.close()
+                self._zip.close()
+        finally:
+            self._raw.close()
+
     def close(self) -> None:
-        self._file.close()
+        self._close_files()
         if self.rows != self.shape[0]:
             raise ValueError(f"{self.path} holds {self.rows} rows, its header promises {self.shape[0]}")
 
@@ -125,7 +138,10 @@ class NpyAppender:
         if kind is None:
             self.close()
         else:  # the error that stopped the writing is the one to report, not the missing rows
-            self._file.close()
+            try:
+                self._close_files()
+            except OSError:  # e.g. a full disk: the partial file is removed by the caller anyway
+                pass
 
 
 class Preview:
@@ -185,7 +201,8 @@ def stream_samples(
     progress: bool = True,
 ) -> SampleFiles:
     """Call ``draw(k)`` (``k <= batch_size``, e.g. ``module.sample_images``) until ``n`` images ``[k, C, H, W]`` are
-    drawn, appending each batch to ``<stem>.npy`` and keeping the first 100 for ``<stem>.png`` (module doc).
+    drawn, appending each batch to the array ``<stem>`` of ``<stem>.npz`` and keeping the first 100 for
+    ``<stem>.png`` (module doc).
 
     The first batch is drawn before anything is created, so a ``draw`` that fails at once leaves nothing behind.
     """
@@ -199,7 +216,7 @@ def stream_samples(
     with tqdm(total=n, desc="sampling", unit="img", disable=not progress) as bar, \
             staged([array_path, grid_path]) as (array_tmp, grid_tmp):
         preview = Preview()
-        with NpyAppender(array_tmp, shape, batch.dtype) as writer:
+        with NpyAppender(array_tmp, shape, batch.dtype, member=stem) as writer:
             while batch is not None:
                 writer.append(batch)
                 preview.add(batch)

@@ -94,6 +94,40 @@ def test_train_noise_follows_the_epoch_and_val_noise_is_fixed(tmp_path):
     assert torch.equal(train0, torch.stack([dm.train_dataset[i][0] for i in range(45)]))
 
 
+def _items(dataset, n: int) -> torch.Tensor:
+    return torch.stack([dataset[i][0] for i in range(n)]).view(n, 3, 4, 4)
+
+
+def test_random_flips_are_seeded_per_epoch_and_item_and_only_in_training(tmp_path):
+    dm = _toy(tmp_path, transform="pixels", random_flip=True)
+    dm.setup("fit")
+    images = torch.from_numpy(toy_arrays(True)[0]).float() / 255
+    plain = images[dm.train_dataset.indices]
+    flipped = {}
+    for epoch in (0, 1):
+        dm.set_epoch(epoch)
+        x = _items(dm.train_dataset, 45)
+        is_flip = (x == plain.flip(-1)).flatten(1).all(1)
+        # every item is the image or its mirror (pixels: no noise), about half of them mirrored
+        assert ((x == plain).flatten(1).all(1) | is_flip).all() and 10 <= int(is_flip.sum()) <= 35
+        flipped[epoch] = is_flip
+    assert not torch.equal(flipped[0], flipped[1])  # other coins in another epoch
+    dm.set_epoch(0)
+    assert torch.equal((_items(dm.train_dataset, 45) == plain.flip(-1)).flatten(1).all(1), flipped[0])  # resumable
+    val = _items(dm.val_dataset, 5)
+    assert torch.equal(val, images[dm.val_dataset.indices])  # never flipped
+    # without the option nothing is flipped
+    no_flip = _toy(tmp_path, transform="pixels")
+    no_flip.setup("fit")
+    assert torch.equal(_items(no_flip.train_dataset, 45), plain)
+
+
+def test_raw_images_are_the_split_before_pre_processing(tmp_path):
+    dm = _toy(tmp_path)
+    assert np.array_equal(dm.raw_images(True), toy_arrays(True)[0]) and dm.raw_images(False).shape == (20, 3, 4, 4)
+    assert LOADS == [(True, False), (False, False)]  # never a download
+
+
 def test_prepare_data_and_the_lmdb_cache(tmp_path):
     plain, cached = _toy(tmp_path), _toy(tmp_path, use_lmdb=True)
     plain.prepare_data()

@@ -88,7 +88,7 @@ def test_unknown_transform_names_the_accepted_ones():
     d = ImageCodec("logit", 1e-3, SHAPE).as_dict() | {"transform": "gaussian"}
     with pytest.raises(ValueError) as info:
         ImageCodec.from_dict(d)
-    assert str(info.value) == "unknown transform 'gaussian'; choose one of 'logit', 'unit', 'logit_squeeze'"
+    assert str(info.value) == "unknown transform 'gaussian'; choose one of 'logit', 'unit', 'logit_squeeze', 'pixels'"
 
 
 @pytest.mark.parametrize(
@@ -115,7 +115,18 @@ def test_only_the_squeeze_gives_exact_bits_per_dim():
         "logit": False,
         "unit": False,
         "logit_squeeze": True,
+        "pixels": False,
     }
+
+
+def test_pixels_are_k_over_255_without_noise_and_have_no_bits_per_dim():
+    images = _images(3).reshape(3, -1)
+    codec = ImageCodec("pixels", 0.0, SHAPE)
+    x = preprocess(images, "pixels", 0.0, torch.Generator().manual_seed(0))
+    assert torch.equal(x, images.float() / 255) and torch.equal(preprocess(images, "pixels"), x)  # no noise drawn
+    assert torch.equal(codec.to_images(x), (images.float() / 255).reshape(3, *SHAPE))
+    with pytest.raises(ValueError, match="discrete"):
+        codec.bits_per_dim(torch.zeros(3), x)
 
 
 def test_bits_per_dim_of_the_uniform_density_is_eight():

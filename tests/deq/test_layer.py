@@ -145,6 +145,7 @@ def test_warm_start_reuses_fixed_point_and_stays_out_of_checkpoints():
     assert deq.stats.nstep < cold / 4
     assert torch.allclose(z1, z2, atol=1e-9)
     assert "z_cache" not in deq.state_dict()
+    assert not list(deq.buffers())  # filling the cache does not change the module's buffers
     deq(torch.randn(5, DIM, dtype=torch.float64))  # new shape: cold start, no shape error
     assert deq.stats.nstep > cold / 2
 

@@ -5,10 +5,15 @@ A new family adds its configs' directory and its tiny overrides to ``FAMILY_TINY
 sampling) without further code.
 """
 
+import functools
+import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.data.fake_images import write_celeba, write_cifar10
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
@@ -46,10 +51,40 @@ def _dkef_tiny(config: dict) -> list[str]:
     return args
 
 
+@functools.cache
+def fake_image_data() -> Path:
+    """A data folder with a few random CIFAR-10 and CelebA images in their on-disk formats, decoded once (per
+    process); the CIFAR-10 files differ from the originals, whose checksum warning is silenced here."""
+    root = Path(tempfile.mkdtemp(prefix="deqscore-fake-images-"))
+    write_cifar10(root, per_batch=6, n_test=8)
+    write_celeba(root, partitions=(0,) * 24 + (2,) * 4)
+    warnings.filterwarnings("ignore", "MD5 differs from the CIFAR-10 original")
+    return root
+
+
+def _ncsn_tiny(config: dict) -> list[str]:
+    net = "--model.init_args.net.init_args"
+    sampler = "--model.init_args.sampler.init_args"
+    args = [f"{net}.ngf", "4", "--model.init_args.n_levels", "3", f"{sampler}.n_steps_each", "1",
+            "--data.init_args.num_workers", "0", "--trainer.limit_train_batches", "3",
+            "--trainer.limit_val_batches", "2", "--trainer.val_check_interval", "null",
+            "--trainer.check_val_every_n_epoch", "1", "--trainer.max_steps", "-1"]
+    if config["model"]["init_args"]["net"]["init_args"].get("deq"):
+        args += [f"{net}.deq.init_args.max_iter", "30", f"{net}.deq.init_args.tol", "1e-4"]
+    data = config["data"]["class_path"].rsplit(".", 1)[-1]
+    if data != "MNISTDataModule":  # CIFAR-10 / CelebA: a few fake images in their on-disk formats
+        args += ["--data.init_args.data_dir", str(fake_image_data()), "--data.init_args.use_lmdb", "false"]
+    else:
+        args += ["--data.init_args.train_subset", "48", "--data.init_args.val_subset", "16",
+                 "--data.init_args.test_subset", "16"]
+    return args
+
+
 #: family -> (its configs, a function giving the overrides that shrink one of them to seconds on a CPU)
 FAMILY_TINY = {
     "nice": ([*sorted((ROOT / "configs" / "nice").glob("*.yaml")), ROOT / "configs" / "demo.yaml"], _nice_tiny),
     "dkef": (sorted((ROOT / "configs" / "dkef").glob("*.yaml")), _dkef_tiny),
+    "ncsn": (sorted((ROOT / "configs" / "ncsn").glob("*.yaml")), _ncsn_tiny),
 }
 
 

@@ -155,7 +155,7 @@ def test_sample_script_and_checkpoint_family(tmp_path, root):
     _fit(tmp_path, "s", 1)
     ckpt = tmp_path / "s" / "checkpoints" / "last.ckpt"
     sample.main(["--checkpoint", str(ckpt), "--num-samples", "10", "--out", str(tmp_path / "out"), "--batch-size", "4"])
-    arr = np.load(tmp_path / "out" / "samples.npy")
+    arr = np.load(tmp_path / "out" / "samples.npz")["samples"]
     assert arr.shape == (10, 1, 28, 28) and (arr >= 0).all() and (arr <= 1).all()
     assert (tmp_path / "out" / "samples.png").stat().st_size > 0
     # the samples are the flow's inverse of N(0, I): mapping them back gives latents of unit variance

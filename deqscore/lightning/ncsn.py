@@ -1,0 +1,98 @@
+"""Noise-conditional score networks (NCSN) trained by annealed score matching, sampled by annealed Langevin
+dynamics (docs/method.md 4.4).
+
+Each training sample draws a noise level from the schedule (``schedule``, ``sigma_max``, ``sigma_min``,
+``n_levels``) and the annealed loss (``annealed_dsm``, ``annealed_ssm_vr``, ``annealed_fd_ssm``) is taken on the
+perturbed image; validation reports the same loss with fixed draws. :meth:`NCSNModule.sample` runs the
+configured :class:`deqscore.sampling.AnnealedLangevin` with the network in eval mode.
+
+Weights averaging (EMA, decay 0.999 in NCSNv2) is the callback :class:`deqscore.lightning.EMA`: validation,
+the FID callback and checkpoints' ``state_dict`` use the averaged weights (the raw ones are kept beside them, so
+training resumes exactly), and ``sample.py`` samples from them unless told ``--raw-weights``.
+
+Config::
+
+    model:
+      class_path: deqscore.lightning.NCSNModule
+      init_args:
+        net: {class_path: deqscore.models.NCSN, init_args: {channels: 3, ngf: 128, body: deq}}
+        loss: annealed_dsm
+        sigma_max: 50.0
+        sigma_min: 0.01
+        n_levels: 232
+        sampler: {class_path: deqscore.sampling.AnnealedLangevin, init_args: {n_steps_each: 5, step_lr: 6.2e-6}}
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from ..errors import ConfigError
+from ..losses import SCHEDULES, AnnealedLoss, build_loss, loss_names, noise_schedule
+from ..models import NCSN
+from ..sampling.langevin import AnnealedLangevin
+from .base import ScoreModule
+
+NCSN_LOSSES = loss_names(AnnealedLoss)
+NCSNLossName = Literal[NCSN_LOSSES]  # type: ignore[valid-type]  # the registered names, checked when parsing
+ScheduleName = Literal[tuple(SCHEDULES)]  # type: ignore[valid-type]
+
+
+class NCSNModule(ScoreModule):
+    """LightningModule around :class:`deqscore.models.NCSN`."""
+
+    family = "ncsn"
+
+    def __init__(
+        self,
+        net: NCSN,  # the score network, with its body and DEQ options
+        loss: NCSNLossName | AnnealedLoss = "annealed_dsm",  # a short name or a loss object
+        schedule: ScheduleName = "geometric",  # spacing of the noise levels
+        sigma_max: float = 50.0,  # sigma_1, the largest noise level (CIFAR-10: 50)
+        sigma_min: float = 0.01,  # sigma_L, the smallest
+        n_levels: int = 232,  # L (CIFAR-10: 232)
+        sampler: AnnealedLangevin | None = None,  # annealed Langevin options (None: AnnealedLangevin's defaults)
+    ):
+        super().__init__()
+        self.net = net
+        self.loss = build_loss(loss, AnnealedLoss, key="loss")
+        # SSM-VR differentiates the network's output w.r.t. x, then the parameters: twice through a DEQ
+        self.refuse_ift(self.loss.input_derivatives, self.loss)
+        self.register_buffer("sigmas", noise_schedule(schedule, sigma_max, sigma_min, n_levels).float(),
+                             persistent=False)
+        self.sampler = sampler or AnnealedLangevin()
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        codec = self.image_codec
+        if codec is not None and tuple(codec.image_shape) != self.net.image_shape:
+            raise ConfigError(f"NCSN net image shape {self.net.image_shape} differs from the data's "
+                              f"{tuple(codec.image_shape)}: set net `channels` to the data's")
+
+    def compute_loss(self, x: torch.Tensor) -> torch.Tensor:
+        return self.loss(self.net, x, self.sigmas)
+
+    @torch.no_grad()
+    def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """``n`` samples ``[n, dim]`` (images in [0, 1] for the ``pixels`` transform) by annealed Langevin dynamics
+        with the network in eval mode and DEQ solves warm-started along the chain (each still solved to its
+        tolerance); the noise comes from ``generator`` (default: seeded from torch's RNG, so ``torch.manual_seed``
+        fixes the samples)."""
+        device = self.sigmas.device
+        if generator is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+            generator = torch.Generator(device=device).manual_seed(seed)
+        was_training = self.net.training
+        layers = self.deq_layers()
+        saved = [(d.warm_start, d.z_cache) for d in layers]
+        self.net.eval()
+        for d in layers:  # consecutive Langevin steps move x a little: each solve starts from the last fixed point
+            d.warm_start, d.z_cache = True, None
+        try:
+            return self.sampler(self.net, (n, self.net.dim), self.sigmas, generator, device=device)
+        finally:
+            self.net.train(was_training)
+            for d, (warm, cache) in zip(layers, saved, strict=True):
+                d.warm_start, d.z_cache = warm, cache

@@ -1,0 +1,342 @@
+"""Noise-conditional score networks: NCSNv2, its shallow explicit baseline and a DEQ body (docs/method.md 4.4).
+
+``NCSN(x, sigma)`` returns ``s(x, sigma) ~ grad_x log p_sigma(x)`` for images in ``[0, 1]`` (flattened ``[B, dim]``
+or ``[B, C, H, W]``; the output has the input's shape). As NCSNv2, the network is unconditional apart from a
+final division by ``sigma``: ``h = 2x - 1`` (unless ``centered``), ``begin_conv`` (C -> ngf), a body, instance
+norm++, ELU, ``end_conv`` (ngf -> C), ``/ sigma``. Bodies (``body=``):
+
+* ``"ncsnv2"``: the full NCSNv2 body, four stages of two residual blocks (the second halves the resolution, the
+  third and fourth are dilated by 2 and 4) and four RefineNet blocks.
+* ``"shallow"``: the explicit baseline, residual blocks ngf -> 2 ngf (dilation 2) and 2 ngf -> 2 ngf
+  (dilation 4) at full resolution, one RefineNet block on ``[that, begin_conv output]``.
+* ``"deq"``: a weight-tied residual block at full resolution inside :class:`deqscore.deq.DEQ`,
+  ``z* = RB(z*) / w + u`` with ``u`` the ``begin_conv`` output and ``w = 2 ||conv1||_F ||conv2||_F``, then two
+  residual blocks (ngf -> ngf -> 2 ngf) and two RefineNet blocks built from plain two-convolution residual units,
+  on ``[that, z*]`` and ``[that, u]``. The reference code's pre-step applied the block twice
+  (``RB(RB(z*)) / w``, so the re-attached state is not the fixed point); ``double_prestep=True`` reproduces it
+  when the DEQ uses ``injection_prestep``.
+
+DSM and FD-SSM need only first derivatives of the output through the DEQ, so ``backward="ift"`` is exact there;
+SSM-VR differentiates the output with respect to x and needs ``"phantom"`` (the Lightning module refuses IFT).
+
+>>> import torch
+>>> net = NCSN(dim=3 * 8 * 8, channels=3, ngf=4, body="shallow")
+>>> x, sigma = torch.rand(2, 3 * 8 * 8), torch.tensor([1.0, 0.1])
+>>> net(x, sigma).shape
+torch.Size([2, 192])
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..deq import DEQ
+from ..errors import ConfigError, check_count, choice_error
+from .nice import DEQFactory
+
+NCSN_BODIES = ("ncsnv2", "shallow", "deq")
+
+
+# ---------------------------------------------------------------- NCSNv2 building blocks
+
+
+class InstanceNorm2dPlus(nn.Module):
+    """Instance norm++ (Song & Ermon 2020): instance norm plus the normalised channel means, so that the colour
+    shift an instance norm removes is kept: ``gamma * (IN(x) + alpha * m~) + beta``."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.norm = nn.InstanceNorm2d(features, affine=False, track_running_stats=False)
+        self.alpha = nn.Parameter(torch.empty(features).normal_(1.0, 0.02))
+        self.gamma = nn.Parameter(torch.empty(features).normal_(1.0, 0.02))
+        self.beta = nn.Parameter(torch.zeros(features))
+
+    def forward(self, x: Tensor) -> Tensor:
+        means = x.mean(dim=(2, 3))  # [B, C]
+        m, v = means.mean(-1, keepdim=True), means.var(-1, keepdim=True)
+        means = (means - m) / torch.sqrt(v + 1e-5)
+        h = self.norm(x) + means[..., None, None] * self.alpha[:, None, None]
+        return self.gamma[:, None, None] * h + self.beta[:, None, None]
+
+
+def conv3x3(c_in: int, c_out: int, bias: bool = True, dilation: int = 1) -> nn.Conv2d:
+    """3x3 convolution keeping the resolution (padding = dilation)."""
+    return nn.Conv2d(c_in, c_out, 3, padding=dilation, dilation=dilation, bias=bias)
+
+
+class ConvMeanPool(nn.Module):
+    """Convolution (resolution kept) then 2x2 mean pooling."""
+
+    def __init__(self, c_in: int, c_out: int, kernel_size: int = 3):
+        super().__init__()
+        self.conv = nn.Conv2d(c_in, c_out, kernel_size, padding=kernel_size // 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.avg_pool2d(self.conv(x), 2)
+
+
+class ResidualBlock(nn.Module):
+    """Pre-activation residual block: norm, ELU, conv, norm, ELU, conv, plus a (projected) shortcut.
+
+    ``resample="down"`` halves the resolution unless ``dilation > 1``: NCSNv2's dilated "down" blocks keep it and
+    only change the channels.
+    """
+
+    def __init__(self, c_in: int, c_out: int, resample: Literal["down"] | None = None, dilation: int = 1):
+        super().__init__()
+        self.norm1, self.act = InstanceNorm2dPlus(c_in), nn.ELU()
+        down = resample == "down"
+        if dilation > 1 or not down:
+            mid = c_in if down else c_out
+            self.conv1 = conv3x3(c_in, mid, dilation=dilation)
+            self.conv2 = conv3x3(mid, c_out, dilation=dilation)
+            shortcut = partial(conv3x3, dilation=dilation) if dilation > 1 else partial(nn.Conv2d, kernel_size=1)
+        else:
+            mid = c_in
+            self.conv1 = conv3x3(c_in, mid)
+            self.conv2 = ConvMeanPool(mid, c_out, 3)
+            shortcut = partial(ConvMeanPool, kernel_size=1)
+        self.norm2 = InstanceNorm2dPlus(mid)
+        self.shortcut = shortcut(c_in, c_out) if (c_out != c_in or down) else None
+
+    def residual(self, x: Tensor) -> Tensor:
+        """The block without its shortcut."""
+        h = self.conv1(self.act(self.norm1(x)))
+        return self.conv2(self.act(self.norm2(h)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (x if self.shortcut is None else self.shortcut(x)) + self.residual(x)
+
+
+class RCUBlock(nn.Module):
+    """Residual conv units: ``n_blocks`` times ``x <- x + conv(ELU(... conv(ELU(x))))`` with ``n_stages`` bias-free
+    convolutions."""
+
+    def __init__(self, features: int, n_blocks: int, n_stages: int = 2):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*(m for _ in range(n_stages) for m in (nn.ELU(), conv3x3(features, features, bias=False))))
+            for _ in range(n_blocks)
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+class CRPBlock(nn.Module):
+    """Chained residual pooling: ELU, then ``n_stages`` times ``path <- conv(maxpool5(path))``, ``x <- x + path``."""
+
+    def __init__(self, features: int, n_stages: int = 2):
+        super().__init__()
+        self.act = nn.ELU()
+        self.convs = nn.ModuleList(conv3x3(features, features, bias=False) for _ in range(n_stages))
+        self.pool = nn.MaxPool2d(5, stride=1, padding=2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = path = self.act(x)
+        for conv in self.convs:
+            path = conv(self.pool(path))
+            x = x + path
+        return x
+
+
+class MSFBlock(nn.Module):
+    """Multi-resolution fusion: each input convolved to ``features`` channels, resized to one shape and summed."""
+
+    def __init__(self, in_planes: list[int], features: int):
+        super().__init__()
+        self.convs = nn.ModuleList(conv3x3(c, features) for c in in_planes)
+
+    def forward(self, xs: list[Tensor], shape: tuple[int, int]) -> Tensor:
+        return sum(F.interpolate(conv(x), size=shape, mode="bilinear", align_corners=True)
+                   for conv, x in zip(self.convs, xs, strict=True))
+
+
+class RefineBlock(nn.Module):
+    """RefineNet block: residual conv units per input, fusion to the first input's resolution, chained residual
+    pooling, output units (3 for the last block). ``rcu_blocks=1`` gives the DEQ body's plain two-convolution
+    residual units everywhere."""
+
+    def __init__(self, in_planes: list[int], features: int, end: bool = False, rcu_blocks: int = 2):
+        super().__init__()
+        self.adapt = nn.ModuleList(RCUBlock(c, rcu_blocks) for c in in_planes)
+        self.fuse = MSFBlock(in_planes, features) if len(in_planes) > 1 else None
+        self.crp = CRPBlock(features)
+        self.out = RCUBlock(features, (3 if end else 1) if rcu_blocks > 1 else 1)
+
+    def forward(self, xs: list[Tensor]) -> Tensor:
+        hs = [adapt(x) for adapt, x in zip(self.adapt, xs, strict=True)]
+        h = hs[0] if self.fuse is None else self.fuse(hs, tuple(xs[0].shape[2:]))
+        return self.out(self.crp(h))
+
+
+# ---------------------------------------------------------------- bodies
+
+
+class NCSNv2Body(nn.Module):
+    """The full NCSNv2 body (res1-res4 and four RefineNet blocks)."""
+
+    def __init__(self, ngf: int):
+        super().__init__()
+        n2 = 2 * ngf
+        self.res = nn.ModuleList([
+            nn.Sequential(ResidualBlock(ngf, ngf), ResidualBlock(ngf, ngf)),
+            nn.Sequential(ResidualBlock(ngf, n2, "down"), ResidualBlock(n2, n2)),
+            nn.Sequential(ResidualBlock(n2, n2, "down", dilation=2), ResidualBlock(n2, n2, dilation=2)),
+            nn.Sequential(ResidualBlock(n2, n2, "down", dilation=4), ResidualBlock(n2, n2, dilation=4)),
+        ])
+        self.refine = nn.ModuleList([
+            RefineBlock([n2], n2), RefineBlock([n2, n2], n2), RefineBlock([n2, n2], ngf),
+            RefineBlock([ngf, ngf], ngf, end=True),
+        ])
+
+    def forward(self, h: Tensor) -> Tensor:
+        layers = []
+        for res in self.res:
+            h = res(h)
+            layers.append(h)
+        out = self.refine[0]([layers[3]])
+        for refine, skip in zip(self.refine[1:], reversed(layers[:3]), strict=True):
+            out = refine([skip, out])
+        return out
+
+
+class ShallowBody(nn.Module):
+    """The explicit baseline: two dilated residual blocks and one RefineNet block with the input as skip."""
+
+    def __init__(self, ngf: int):
+        super().__init__()
+        n2 = 2 * ngf
+        self.res = nn.Sequential(ResidualBlock(ngf, n2, "down", dilation=2), ResidualBlock(n2, n2, "down", dilation=4))
+        self.refine = RefineBlock([n2, ngf], ngf, end=True)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.refine([self.res(h), h])
+
+
+class NCSNDEQMap(nn.Module):
+    """``F(z, u) = RB(z) / w + u`` with ``RB`` a residual block (identity shortcut) and
+    ``w = 2 (||conv1||_F ||conv2||_F + 1e-12)``, recomputed from the current weights.
+
+    The norm layers and the shortcut make no hard contraction guarantee (docs/method.md 2.2); the solver's
+    convergence statistics are logged. ``double_prestep`` makes :meth:`prestep_residual` apply the block twice
+    (the reference code's pre-step).
+    """
+
+    def __init__(self, ngf: int, grad_through_norm: bool = False, double_prestep: bool = False):
+        super().__init__()
+        self.block = ResidualBlock(ngf, ngf)
+        self.grad_through_norm, self.double_prestep = grad_through_norm, double_prestep
+
+    def norm_scalar(self) -> Tensor:
+        w = 2 * (self.block.conv1.weight.norm() * self.block.conv2.weight.norm() + 1e-12)
+        return w if self.grad_through_norm else w.detach()
+
+    def forward(self, z: Tensor, u: Tensor) -> Tensor:
+        return self.block(z) / self.norm_scalar() + u
+
+    def prestep_residual(self, z: Tensor, u: Tensor) -> Tensor:
+        """``RB(z) / w``, or ``RB(RB(z)) / w`` with ``double_prestep`` (see :class:`deqscore.deq.DEQ`)."""
+        h = self.block(self.block(z)) if self.double_prestep else self.block(z)
+        return h / self.norm_scalar()
+
+
+class DEQBody(nn.Module):
+    """The DEQ body: a fixed point at full resolution, two residual blocks, two light RefineNet blocks."""
+
+    def __init__(self, ngf: int, deq: DEQFactory, grad_through_norm: bool = False, double_prestep: bool = False):
+        super().__init__()
+        self.deq = deq(NCSNDEQMap(ngf, grad_through_norm, double_prestep))
+        self.res = nn.Sequential(ResidualBlock(ngf, ngf), ResidualBlock(ngf, 2 * ngf))
+        self.refine1 = RefineBlock([2 * ngf, ngf], ngf, rcu_blocks=1)
+        self.refine2 = RefineBlock([ngf, ngf], ngf, end=True, rcu_blocks=1)
+
+    def forward(self, u: Tensor) -> Tensor:
+        z = self.deq(u)
+        return self.refine2([self.refine1([self.res(z), z]), u])
+
+
+# ---------------------------------------------------------------- the network
+
+
+def image_side(dim: int, channels: int) -> int:
+    """Side of the square ``channels``-channel image with ``dim`` values, or a ConfigError."""
+    check_count("NCSN channels", channels)
+    side = math.isqrt(dim // channels) if dim % channels == 0 else 0
+    if side < 1 or channels * side * side != dim:
+        raise ConfigError(f"NCSN dim={dim} is not a square image of channels={channels}; set `channels` to the "
+                          "data's (1 for MNIST, 3 for CIFAR-10 and CelebA)")
+    return side
+
+
+class NCSN(nn.Module):
+    """Noise-conditional score network ``s(x, sigma)``; see the module docstring.
+
+    Args:
+        dim: values per image, ``channels * side^2`` (linked from the data module).
+        channels: image channels.
+        ngf: base width (128 in NCSNv2 on CIFAR-10).
+        body: ``"ncsnv2"``, ``"shallow"`` or ``"deq"``.
+        deq: the DEQ layer of the ``"deq"`` body, called with its fixed-point map (default: DEQ's options).
+        grad_through_norm: differentiate the DEQ map's normaliser ``w`` (reference: no).
+        double_prestep: the reference's pre-step ``RB(RB(z*)) / w`` (needs the DEQ's ``injection_prestep``).
+        centered: inputs already in ``[-1, 1]`` (otherwise ``h = 2x - 1`` for data in ``[0, 1]``).
+    """
+
+    def __init__(
+        self,
+        dim: int,  # values per image (linked from the data module)
+        channels: int = 3,  # image channels: 1 for MNIST, 3 for CIFAR-10 / CelebA
+        ngf: int = 128,  # base number of feature maps
+        body: Literal["ncsnv2", "shallow", "deq"] = "deq",  # the network between begin_conv and the head
+        deq: DEQFactory | None = None,  # DEQ layer options (body="deq"); None: DEQ's defaults
+        grad_through_norm: bool = False,  # gradient through the DEQ map's normaliser w (reference: no)
+        double_prestep: bool = False,  # the reference's double block application in the pre-step
+        centered: bool = False,  # inputs in [-1, 1] already (else 2x - 1)
+    ):
+        super().__init__()
+        if body not in NCSN_BODIES:
+            raise choice_error("NCSN body", body, NCSN_BODIES)
+        check_count("NCSN dim", dim)
+        check_count("NCSN ngf", ngf)
+        self.side = image_side(dim, channels)
+        if body == "ncsnv2" and self.side % 2:
+            raise ConfigError(f"NCSN body 'ncsnv2' halves the resolution once: the image side must be even, got "
+                              f"{self.side}")
+        if double_prestep and body != "deq":
+            raise ConfigError("NCSN double_prestep applies only to body='deq'")
+        self.dim, self.channels, self.body_kind, self.centered = dim, channels, body, centered
+        self.begin_conv = conv3x3(channels, ngf)
+        if body == "ncsnv2":
+            self.body = NCSNv2Body(ngf)
+        elif body == "shallow":
+            self.body = ShallowBody(ngf)
+        else:
+            self.body = DEQBody(ngf, deq or DEQ, grad_through_norm, double_prestep)
+            if double_prestep and not self.body.deq.injection_prestep:
+                raise ConfigError("NCSN double_prestep needs the DEQ option injection_prestep: true (it changes "
+                                  "only the pre-step)")
+        self.head = nn.Sequential(InstanceNorm2dPlus(ngf), nn.ELU(), conv3x3(ngf, channels))
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        return (self.channels, self.side, self.side)
+
+    def forward(self, x: Tensor, sigma: Tensor) -> Tensor:
+        """Score at ``x`` (``[B, dim]`` or ``[B, C, H, W]``) and per-sample noise level ``sigma`` (``[B]``)."""
+        if x.dim() < 2 or x[0].numel() != self.dim:
+            raise ValueError(f"NCSN expects inputs [B, {self.dim}] or [B, {', '.join(map(str, self.image_shape))}], "
+                             f"got {tuple(x.shape)}")
+        sigma = torch.as_tensor(sigma, dtype=x.dtype, device=x.device).expand(x.shape[0])
+        h = x.reshape(x.shape[0], *self.image_shape)
+        h = self.begin_conv(h if self.centered else 2 * h - 1)
+        out = self.head(self.body(h)) / sigma.view(-1, 1, 1, 1)
+        return out.reshape(x.shape)

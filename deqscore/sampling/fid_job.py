@@ -1,0 +1,83 @@
+"""``sample.py --fid``: the reference statistics, resolved before any sample is drawn, the samples' Inception
+features taken as they are drawn, and the report written next to the samples."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..data.errors import CorruptDataError, DataNotFoundError
+from ..errors import ConfigError
+from ..metrics.fid import FeatureStats, InceptionFeatures, dataset_stats, frechet_distance, load_stats
+
+
+def _usage(message: str) -> None:
+    from ..lightning.cli import usage_error  # the CLI's one-line error (imported late: the CLI imports this module)
+
+    usage_error(message)
+
+
+def _data_module(source: dict[str, str], data_dir: str | None) -> Any:
+    """The training data module a checkpoint records (its class and folder; ``data_dir`` overrides the folder)."""
+    module_name, _, class_name = source["class_path"].rpartition(".")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    return cls(data_dir=data_dir or source["data_dir"])
+
+
+@dataclass
+class FIDJob:
+    """The FID of samples against reference statistics; see the module docstring."""
+
+    extractor: InceptionFeatures
+    reference: FeatureStats
+    reference_label: str
+    meta: dict[str, Any]
+    stats: FeatureStats = field(default_factory=FeatureStats)
+
+    @classmethod
+    def prepare(cls, args: argparse.Namespace, module: Any, device: torch.device) -> FIDJob:
+        """Inception weights and reference statistics, or a one-line usage error naming what is missing."""
+        try:
+            extractor = InceptionFeatures(args.inception_weights).to(device)
+            if args.fid_stats:
+                reference, label = load_stats(args.fid_stats), f"the statistics in {args.fid_stats}"
+            else:
+                source = getattr(module, "data_source", None)
+                if source is None:
+                    _usage("--fid: the checkpoint records no training images to compare with; give --fid-stats")
+                datamodule = _data_module(source, args.data_dir)
+                reference = dataset_stats(datamodule, train=True, max_images=args.reference_images,
+                                          root=args.stats_root, extractor=extractor)
+                label = f"{datamodule.name} train ({reference.count} images)"
+        except (DataNotFoundError, CorruptDataError, ConfigError, FileNotFoundError, ValueError) as err:
+            _usage(f"--fid: {err}")
+        meta = {"checkpoint": str(args.checkpoint), "weights": "raw" if args.raw_weights else "averaged (if any)",
+                "seed": args.seed, "final_denoise": getattr(getattr(module, "sampler", None), "final_denoise", None)}
+        return cls(extractor, reference, label, meta)
+
+    def observing(self, draw: Callable[[int], torch.Tensor]) -> Callable[[int], torch.Tensor]:
+        """``draw`` that also adds the features of what it draws to :attr:`stats`."""
+
+        def observed(k: int) -> torch.Tensor:
+            images = draw(k)
+            self.stats.update(self.extractor(images))
+            return images
+
+        return observed
+
+    def finish(self, path: Path) -> dict[str, Any]:
+        """The FID, written with its sample count and reference to ``path`` (JSON, atomically); the report."""
+        report = {"fid": frechet_distance(self.stats, self.reference), "num_samples": int(self.stats.count),
+                  "reference": self.reference_label, **self.meta}
+        tmp = path.with_name(f".{path.name}.partial.{os.getpid()}")
+        tmp.write_text(json.dumps(report, indent=1) + "\n")
+        os.replace(tmp, path)
+        return report

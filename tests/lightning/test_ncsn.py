@@ -1,0 +1,107 @@
+"""The NCSN family end to end on MNIST: EMA weights (the exponential average of the trained ones, used by
+validation and stored as the checkpoint's weights), exact resume with the average, raw weights on request, and the
+DEQ backward allowed by each annealed loss."""
+
+import pytest
+import torch
+from pytorch_lightning import Callback
+
+from deqscore.errors import ConfigError
+from deqscore.lightning import build_module, load_module
+from deqscore.lightning.cli import main
+
+from .conftest import tiny_args
+
+DEQ_MNIST = "configs/ncsn/deq_mnist.yaml"
+DECAY = 0.999  # the config's
+
+
+class RecordWeights(Callback):
+    """The trained weights after every optimiser step, and the weights validation runs with."""
+
+    def __init__(self):
+        self.after_step, self.in_validation = [], []
+
+    @staticmethod
+    def _flat(module):
+        return torch.cat([p.detach().flatten().clone() for p in module.parameters()])
+
+    def on_train_batch_end(self, trainer, module, *args):
+        self.after_step.append(self._flat(module))
+
+    def on_validation_batch_start(self, trainer, module, *args):
+        if not trainer.sanity_checking:
+            self.in_validation.append(self._flat(module))
+
+
+def _fit(tmp_path, name: str, epochs: int, *extra: str) -> tuple:
+    """Fit ``epochs`` epochs of 3 steps with a :class:`RecordWeights` callback; (cli, recorder)."""
+    cli = main(["fit", *tiny_args(tmp_path, DEQ_MNIST, name), "--trainer.max_epochs", str(epochs),
+                "--trainer.callbacks+=tests.lightning.test_ncsn.RecordWeights", *extra])
+    return cli, next(c for c in cli.trainer.callbacks if isinstance(c, RecordWeights))
+
+
+def _ema(weights, decay):
+    avg = weights[0]
+    for w in weights[1:]:
+        avg = decay * avg + (1 - decay) * w
+    return avg
+
+
+def test_ema_is_the_exponential_average_used_by_validation_and_stored_in_checkpoints(tmp_path):
+    cli, recorder = _fit(tmp_path, "ema", 2)
+    assert len(recorder.after_step) == 6
+    ema = _ema(recorder.after_step, DECAY)
+    ckpt = torch.load(tmp_path / "ema" / "checkpoints" / "last.ckpt", weights_only=True)
+    names = [n for n, _ in cli.model.named_parameters()]
+    assert torch.allclose(torch.cat([ckpt["state_dict"][n].flatten() for n in names]), ema, atol=1e-6)
+    assert torch.allclose(torch.cat([ckpt["current_model_state"][n].flatten() for n in names]),
+                          recorder.after_step[-1], atol=0)
+    # the second validation ran with the average of the six steps, not with the trained weights
+    assert torch.allclose(recorder.in_validation[-1], ema, atol=1e-6)
+    assert not torch.allclose(recorder.in_validation[-1], recorder.after_step[-1], atol=1e-4)
+    # load_module gives the average; raw_weights the trained weights
+    loaded = torch.cat([p.flatten() for p in load_module(tmp_path / "ema" / "checkpoints" / "last.ckpt").parameters()])
+    raw = load_module(tmp_path / "ema" / "checkpoints" / "last.ckpt", raw_weights=True)
+    assert torch.allclose(loaded, ema, atol=1e-6)
+    assert torch.equal(torch.cat([p.flatten() for p in raw.parameters()]), recorder.after_step[-1])
+
+
+def test_resume_continues_the_average_exactly(tmp_path):
+    _, straight = _fit(tmp_path, "straight", 3)
+    _fit(tmp_path, "split", 1)
+    _, resumed = _fit(tmp_path, "split", 3, "--ckpt_path", str(tmp_path / "split" / "checkpoints" / "last.ckpt"))
+    assert torch.equal(resumed.after_step[-1], straight.after_step[-1])
+    a, b = (torch.load(tmp_path / r / "checkpoints" / "last.ckpt", weights_only=True) for r in ("straight", "split"))
+    assert all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])
+    assert torch.equal(a["averaging_state"]["n_averaged"], b["averaging_state"]["n_averaged"])
+
+
+def _module(loss, backward):
+    return build_module({"class_path": "deqscore.lightning.NCSNModule", "init_args": {
+        "net": {"class_path": "deqscore.models.NCSN", "init_args": {
+            "dim": 64, "channels": 1, "ngf": 4, "body": "deq",
+            "deq": {"class_path": "deqscore.deq.DEQ", "init_args": {"backward": backward}}}},
+        "loss": loss, "sigma_max": 1.0, "sigma_min": 0.1, "n_levels": 3}})
+
+
+@pytest.mark.parametrize("loss", ["annealed_dsm", "annealed_fd_ssm"])
+def test_first_order_losses_accept_ift(loss):
+    assert _module(loss, "ift").net.body.deq.backward == "ift"
+
+
+def test_ssm_vr_refuses_ift_naming_the_fix():
+    with pytest.raises(ConfigError, match="phantom"):
+        _module("annealed_ssm_vr", "ift")
+    assert _module("annealed_ssm_vr", "phantom").loss.input_derivatives == 1
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"schedule": "cosine"}, "schedule"), ({"sigma_max": 0.01, "sigma_min": 0.1}, "decrease"),
+    ({"n_levels": 1}, "n_levels"), ({"loss": "dsm"}, "loss"),
+])
+def test_bad_schedule_and_loss_options_are_config_errors(kw, match):
+    config = {"net": {"class_path": "deqscore.models.NCSN", "init_args": {"dim": 64, "channels": 1, "ngf": 4,
+                                                                           "body": "shallow"}}} | kw
+    with pytest.raises(ConfigError, match=match):
+        build_module({"class_path": "deqscore.lightning.NCSNModule", "init_args": config})

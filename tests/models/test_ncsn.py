@@ -1,0 +1,131 @@
+"""NCSN networks: building blocks against direct formulas, the output's 1/sigma scaling, the DEQ body's fixed
+point and pre-step variants, IFT against the unrolled gradient for a first-order loss, and option errors."""
+
+from functools import partial
+
+import pytest
+import torch
+
+from deqscore.deq import DEQ, deq_backward
+from deqscore.errors import ConfigError
+from deqscore.losses import annealed_dsm
+from deqscore.metrics import parameter_count
+from deqscore.models import NCSN, NCSN_BODIES
+from deqscore.models.ncsn import ConvMeanPool, InstanceNorm2dPlus
+
+F64 = torch.float64
+
+
+def _net(body: str, channels: int = 3, side: int = 8, ngf: int = 4, **kw) -> NCSN:
+    torch.manual_seed(0)
+    deq = kw.pop("deq", partial(DEQ, solver="anderson", tol=1e-10, max_iter=200, stop_mode="rel"))
+    return NCSN(dim=channels * side * side, channels=channels, ngf=ngf, body=body, deq=deq, **kw).double()
+
+
+@pytest.mark.parametrize("body", NCSN_BODIES)
+@pytest.mark.parametrize(("channels", "side"), [(1, 8), (3, 8)])
+def test_output_is_a_score_field_scaled_by_one_over_sigma(body, channels, side):
+    net = _net(body, channels, side).eval()
+    x = torch.rand(3, channels * side * side, dtype=F64)
+    s1 = net(x, torch.full((3,), 0.5, dtype=F64))
+    s2 = net(x, torch.full((3,), 0.25, dtype=F64))
+    assert s1.shape == x.shape
+    assert torch.allclose(s2, 2 * s1, atol=1e-8)  # unconditional body, output / sigma
+    images = net(x.view(3, channels, side, side), torch.full((3,), 0.5, dtype=F64))
+    assert images.shape == (3, channels, side, side) and torch.allclose(images.flatten(1), s1, atol=1e-8)
+
+
+def test_samples_in_a_batch_are_independent():
+    """Instance norms only: no statistic is shared across the batch, so one sample's output ignores the others."""
+    net = _net("ncsnv2").eval()
+    x, sigma = torch.rand(4, 192, dtype=F64), torch.full((4,), 0.3, dtype=F64)
+    assert torch.allclose(net(x, sigma)[:1], net(x[:1], sigma[:1]), atol=1e-8)
+
+
+def test_instance_norm_plus_matches_its_formula():
+    torch.manual_seed(0)
+    norm = InstanceNorm2dPlus(5).double()
+    with torch.no_grad():
+        norm.beta.normal_()
+    x = torch.randn(2, 5, 4, 4, dtype=F64) * 3 + 1
+    mu = x.mean((2, 3), keepdim=True)
+    var = x.var((2, 3), unbiased=False, keepdim=True)
+    means = x.mean((2, 3))
+    means = (means - means.mean(1, keepdim=True)) / torch.sqrt(means.var(1, keepdim=True) + 1e-5)
+    h = (x - mu) / torch.sqrt(var + 1e-5) + means[..., None, None] * norm.alpha[:, None, None]
+    expected = norm.gamma[:, None, None] * h + norm.beta[:, None, None]
+    assert torch.allclose(norm(x), expected, atol=1e-10)
+
+
+def test_conv_mean_pool_averages_the_four_strided_grids():
+    torch.manual_seed(0)
+    pool = ConvMeanPool(2, 3).double()
+    x = torch.randn(1, 2, 6, 6, dtype=F64)
+    out = pool.conv(x)
+    expected = (out[..., ::2, ::2] + out[..., 1::2, ::2] + out[..., ::2, 1::2] + out[..., 1::2, 1::2]) / 4
+    assert torch.allclose(pool(x), expected, atol=1e-12)
+
+
+def test_ncsnv2_at_cifar10_size_has_the_published_parameter_count():
+    # NCSNv2 (Song & Ermon 2020) reports 29.7M parameters for CIFAR-10 at ngf 128
+    assert parameter_count(NCSN(dim=3 * 32 * 32, ngf=128, body="ncsnv2")) == pytest.approx(29.7e6, rel=2e-3)
+
+
+def test_deq_body_output_is_the_fixed_point_and_double_prestep_is_not():
+    deq = partial(DEQ, solver="anderson", tol=1e-11, max_iter=300, stop_mode="rel", injection_prestep=True,
+                  phantom_steps=1)
+    nets = {double: _net("deq", deq=deq, double_prestep=double) for double in (False, True)}
+    nets[True].load_state_dict(nets[False].state_dict())
+    u = torch.randn(2, 4, 8, 8, dtype=F64)
+    layer = nets[False].body.deq
+    z_single, z_double = (net.body.deq(u) for net in nets.values())
+    residual = (layer.func(z_single, u) - z_single).norm() / z_single.norm()
+    assert residual < 1e-8 and layer.stats.converged
+    # the reference's pre-step re-attaches RB(RB(z*)) / w + u, which is not the fixed point
+    assert (z_double - z_single).norm() / z_single.norm() > 1e3 * residual
+
+
+def test_ift_gives_the_unrolled_parameter_gradient_for_annealed_dsm():
+    deq = partial(DEQ, solver="anderson", tol=1e-12, max_iter=400, stop_mode="rel", ift_tol=1e-12,
+                  ift_max_iter=400, backward="ift")
+    net = _net("deq", deq=deq)
+    x, sigmas = torch.rand(3, 192, dtype=F64), torch.tensor([1.0, 0.3, 0.1], dtype=F64)
+    labels = torch.tensor([0, 1, 2])
+
+    def grads(mode: str) -> torch.Tensor:
+        net.zero_grad()
+        torch.manual_seed(4)
+        with deq_backward(net, mode):
+            annealed_dsm(net, x, sigmas, labels).mean().backward()
+        return torch.cat([p.grad.flatten() for p in net.parameters()])
+
+    ift, unroll = grads("ift"), grads("unroll")
+    assert torch.allclose(ift, unroll, rtol=1e-5, atol=1e-8)
+    assert not torch.allclose(grads("phantom"), unroll, rtol=1e-3)  # a truncated gradient differs: test can fail
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"body": "unet"}, "body"),
+    ({"channels": 2}, "channels"),  # 192 values are not a square 2-channel image
+    ({"ngf": 0}, "ngf"),
+    ({"body": "shallow", "double_prestep": True}, "double_prestep"),
+    ({"body": "deq", "double_prestep": True}, "injection_prestep"),
+])
+def test_bad_options_raise_config_error(kw, match):
+    opts = {"dim": 192, "channels": 3, "ngf": 4} | kw
+    with pytest.raises(ConfigError, match=match):
+        NCSN(**opts)
+
+
+def test_ncsnv2_body_needs_an_even_side_and_inputs_their_size():
+    with pytest.raises(ConfigError, match="even"):
+        NCSN(dim=3 * 7 * 7, channels=3, ngf=4, body="ncsnv2")
+    with pytest.raises(ValueError, match=r"\[B, 192\]"):
+        _net("shallow")(torch.rand(2, 100, dtype=F64), torch.ones(2, dtype=F64))
+
+
+def test_input_is_mapped_to_minus_one_one_unless_centered():
+    a, b = _net("shallow"), _net("shallow", centered=True)
+    x, sigma = torch.rand(2, 192, dtype=F64), torch.ones(2, dtype=F64)
+    assert torch.allclose(a(x, sigma), b(2 * x - 1, sigma), atol=1e-10)
+    assert not torch.allclose(a(x, sigma), b(x, sigma), atol=1e-3)
