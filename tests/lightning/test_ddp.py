@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from .conftest import ROOT, tiny_args
@@ -39,3 +40,32 @@ def test_cli_ddp_run_writes_checkpoint(tmp_path):
     assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "config.yaml").is_file()
     state = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
     assert state["global_step"] == 2
+
+
+def test_fid_under_ddp_is_that_of_the_samples_of_both_processes(tmp_path):
+    """Each process draws its share of the FID samples from its own seed; the logged FID must be the distance of
+    their union (features summed across processes), recomputed here in one process."""
+    from deqscore.lightning import load_module
+    from deqscore.lightning.callbacks import read_metrics_csv
+    from deqscore.metrics.fid import InceptionFeatures, frechet_distance, image_stats, load_stats, stats_file
+
+    n, reference = 6, 10
+    args = ["train.py", "fit", *tiny_args(tmp_path, "configs/ncsn/explicit_mnist.yaml", "fid"), "--trainer.max_epochs",
+            "1", "--trainer.devices", "2", "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu",
+            "--trainer.callbacks+=deqscore.lightning.FIDCallback", "--trainer.callbacks.num_samples", str(n),
+            "--trainer.callbacks.reference_images", str(reference), "--trainer.callbacks.stats_root",
+            str(tmp_path / "stats"), "--trainer.callbacks.batch_size", "3"]
+    _run(args)
+    fid = read_metrics_csv(tmp_path / "fid" / "metrics.csv")["val/fid"][-1][1]
+    module = load_module(tmp_path / "fid" / "checkpoints" / "last.ckpt").eval()
+    images = []
+    for rank in (0, 1):  # the callback's seed for (seed 0, epoch 0, rank); three samples each
+        torch.manual_seed(7919 * rank)
+        images.append(module.sample_images(3))
+    key = {"dataset": "mnist", "split": "train", "resolution": "28x28", "count": reference}
+    union = image_stats(torch.cat(images), InceptionFeatures())
+    assert union.count == n
+    assert frechet_distance(union, load_stats(stats_file(key, tmp_path / "stats"), key)) == pytest.approx(fid, rel=1e-4)
+    # one process's samples alone give another FID: the gathering is what the test checks
+    alone = image_stats(images[0], InceptionFeatures())
+    assert frechet_distance(alone, load_stats(stats_file(key, tmp_path / "stats"), key)) != pytest.approx(fid, rel=1e-3)

@@ -111,3 +111,22 @@ def test_sample_script_fid_usage_errors_write_nothing(fid_run, tmp_path, capsys,
         sample.main(argv)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "s").exists()
+
+
+def test_fid_without_training_images_or_statistics_names_the_missing_files(tmp_path, capsys):
+    import argparse
+    from types import SimpleNamespace
+
+    from deqscore.sampling.fid_job import FIDJob
+
+    args = argparse.Namespace(inception_weights=None, fid_stats=None, data_dir=str(tmp_path / "empty"),
+                              reference_images=None, stats_root=str(tmp_path / "stats"), checkpoint="c.ckpt",
+                              raw_weights=False, seed=0)
+    module = SimpleNamespace(data_source={"class_path": "deqscore.data.CIFAR10DataModule", "data_dir": "datasets"})
+    with pytest.raises(SystemExit) as exit_info:
+        FIDJob.prepare(args, module, torch.device("cpu"))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--fid:" in err and "cifar-10-python.tar.gz" in err
+    with pytest.raises(SystemExit):
+        FIDJob.prepare(args, SimpleNamespace(data_source=None), torch.device("cpu"))
+    assert "records no training images" in capsys.readouterr().err
