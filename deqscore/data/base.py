@@ -2,11 +2,12 @@
 
 The dataset's official train split is split ``1 - val_fraction`` / ``val_fraction`` into train / val with a
 fixed numpy seed (2019 by default, as the reference code: ``np.random.seed(2019); np.random.shuffle(indices)``);
-its official test split is the test set. Items are dequantised, pre-processed (:mod:`deqscore.data.transforms`)
-and flattened to ``dim``-vectors. Train items get fresh dequantisation noise every epoch and a fresh shuffle,
-both drawn from generators seeded by (epoch, item), so a resumed run sees exactly the data an uninterrupted one
-would (whatever the workers or processes); val/test items get noise from a generator seeded by the item's index,
-so evaluation metrics are reproducible.
+its official test split is the test set. Items are dequantised (except under ``transform="pixels"``),
+pre-processed (:mod:`deqscore.data.transforms`) and flattened to ``dim``-vectors. Train items get fresh
+dequantisation noise every epoch, a fresh shuffle and, with ``random_flip``, a fresh horizontal-flip coin, all
+drawn from generators seeded by (epoch, item), so a resumed run sees exactly the data an uninterrupted one would
+(whatever the workers or processes); val/test items get noise from a generator seeded by the item's index and are
+never flipped, so evaluation metrics are reproducible.
 
 A dataset is added by subclassing :class:`ImageDataModule` (see its docstring); :class:`deqscore.data.MNISTDataModule`
 is the reference subclass. Config use (LightningCLI)::
@@ -233,7 +234,7 @@ class ImageDataModule(pl.LightningDataModule, abc.ABC):
                                         flip_shape=self.image_shape if flip else None)
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the training epoch's dequantisation noise (called by the LightningModule each epoch)."""
+        """Select the training epoch's dequantisation noise and flips (called by the LightningModule each epoch)."""
         if self.train_dataset is not None:
             self.train_dataset.set_epoch(epoch)
 
@@ -287,7 +288,7 @@ class ImageDataModule(pl.LightningDataModule, abc.ABC):
         """Pixel-space bits/dim ``[B]`` of model-space samples ``x`` of model log-density ``log_prob`` (nats).
 
         See :meth:`deqscore.data.transforms.ImageCodec.bits_per_dim`: exact for ``"logit_squeeze"``,
-        approximate for the reference clamp pipelines (``"logit"``, ``"unit"``).
+        approximate for the reference clamp pipelines (``"logit"``, ``"unit"``), a ``ValueError`` for ``"pixels"``.
         """
         return self.codec.bits_per_dim(log_prob, x)
 

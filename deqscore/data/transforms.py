@@ -1,6 +1,6 @@
 """Pre-processing of 8-bit images for density models (docs/method.md section 4.1) and the bits/dim conversion.
 
-Two pre-processing pipelines are provided; ``k`` is the uint8 pixel value and ``U ~ U(0, 1)``:
+Three pre-processing pipelines are provided; ``k`` is the uint8 pixel value and ``U ~ U(0, 1)``:
 
 * **REF (clamp)**, used for training as in the reference code::
 
@@ -14,6 +14,12 @@ Two pre-processing pipelines are provided; ``k`` is the uint8 pixel value and ``
 
   (:func:`dequantize_squeeze` then :func:`logit_transform`); :func:`bits_per_dim` with the same ``alpha``
   accounts for the squeeze's Jacobian.
+* **Pixels** (``"pixels"``), the input convention of score networks on images (NCSN: data in ``[0, 1]``)::
+
+      x = k/255
+
+  exactly: no noise, no clamp, no logit, ``alpha`` unused. The data stay on a discrete set of 256 values per
+  dimension, so there is no density and no bits/dim (:meth:`ImageCodec.bits_per_dim` refuses).
 
 :class:`ImageCodec` bundles a pipeline's name, ``alpha`` and the image shape: it turns model-space samples back
 into images and log-densities into bits/dim, and is plain enough to be stored in a checkpoint.
@@ -254,7 +260,8 @@ def preprocess(
 
 
 def to_unit(x: torch.Tensor, transform: str = "logit", alpha: float = DEFAULT_ALPHA) -> torch.Tensor:
-    """Inverse of :func:`preprocess` up to the noise: model-space values to intensities in ``[0, 1]``."""
+    """Inverse of :func:`preprocess` up to the noise: model-space values to intensities in ``[0, 1]`` (clamped, as
+    model samples may leave the data's range; ``"pixels"`` and ``"unit"`` values are only clamped)."""
     check_transform(transform)
     if transform in _NO_LOGIT:
         out = x
@@ -274,7 +281,8 @@ class ImageCodec:
 
     Args:
         transform: one of :data:`TRANSFORMS`.
-        alpha: clamp/squeeze margin: in ``(0, 0.5)`` for the logit pipelines, ``[0, 0.5)`` for ``"unit"``.
+        alpha: clamp/squeeze margin: in ``(0, 0.5)`` for the logit pipelines, ``[0, 0.5)`` for ``"unit"`` and
+            ``"pixels"`` (which ignores it).
         image_shape: shape of one image, e.g. ``(1, 28, 28)``.
 
     >>> codec = ImageCodec("logit_squeeze", 1e-3, (1, 2, 2))
@@ -311,7 +319,8 @@ class ImageCodec:
 
     @property
     def exact_bits_per_dim(self) -> bool:
-        """Whether :meth:`bits_per_dim` is exact: only the invertible ``"logit_squeeze"`` pipeline is."""
+        """Whether :meth:`bits_per_dim` is exact: only the invertible ``"logit_squeeze"`` pipeline is (``"pixels"``
+        has none)."""
         return self.transform == "logit_squeeze"
 
     def to_images(self, x: torch.Tensor) -> torch.Tensor:
@@ -319,7 +328,7 @@ class ImageCodec:
 
         Inverts the transform up to the dequantisation noise (:func:`to_unit`): for ``"logit_squeeze"`` a
         pixel ``k`` comes back inside its bin ``[k/256, (k+1)/256)``, for the clamp pipelines within
-        ``1/512`` of ``k/255``.
+        ``1/512`` of ``k/255``, for ``"pixels"`` as ``k/255`` exactly (samples are clamped to ``[0, 1]``).
         """
         if x.dim() < 1 or math.prod(x.shape[1:]) != self.dim:
             raise ValueError(
@@ -333,7 +342,8 @@ class ImageCodec:
 
         Uses :func:`bits_per_dim` with the logit Jacobian (and the squeeze Jacobian for ``"logit_squeeze"``);
         for ``"unit"`` ``log_prob`` is already a density on ``[0, 1]^D``. Exact for ``"logit_squeeze"``,
-        approximate for the reference clamp pipelines (see :attr:`exact_bits_per_dim`).
+        approximate for the reference clamp pipelines (see :attr:`exact_bits_per_dim`); ``"pixels"`` raises
+        ``ValueError`` (discrete data have no density).
         """
         if self.transform == "pixels":
             raise ValueError("transform 'pixels' keeps the 256 pixel values discrete: a density has no bits/dim "

@@ -7,6 +7,7 @@ from .dkef import DKEFModule
 from .fid import FIDCallback
 from .ncsn import NCSN_LOSSES, NCSNModule
 from .nice import NICE_LOSSES, NICEModule
+from .vae import VAEModule
 
 __all__ = [
     "NCSN_LOSSES",
@@ -19,6 +20,7 @@ __all__ = [
     "NICEModule",
     "NonFiniteLossError",
     "SampleGrid",
+    "VAEModule",
     "ScoreModule",
     "build_module",
     "family_registry",

@@ -173,15 +173,19 @@ class ScoreModule(pl.LightningModule):
         with torch.enable_grad():  # score matching differentiates w.r.t. x, also in validation/test
             terms = self.loss_terms(x)
             loss = terms["loss"]
-            if not torch.isfinite(loss):
-                raise NonFiniteLossError(
-                    f"non-finite {stage} loss ({loss.item()}) at global step {self.global_step}, epoch "
-                    f"{self.current_epoch}: training stopped before the update, last good checkpoint kept"
-                )
+            self.check_finite(loss, stage)
             deq_stats = self._deq_stats()  # of the model's own solve, before any metric solves again
             metrics = {} if stage == "train" else self.eval_metrics(x, stage, batch_idx)
         self.log_stage(stage, {**terms, **metrics, **deq_stats}, batch_size=x.shape[0])
         return loss
+
+    def check_finite(self, loss: torch.Tensor, stage: str) -> None:
+        """Raise :class:`NonFiniteLossError` for a NaN/Inf loss, before any update."""
+        if not torch.isfinite(loss):
+            raise NonFiniteLossError(
+                f"non-finite {stage} loss ({loss.item()}) at global step {self.global_step}, epoch "
+                f"{self.current_epoch}: training stopped before the update, last good checkpoint kept"
+            )
 
     def log_stage(self, stage: str, values: dict[str, Any], batch_size: int) -> None:
         """Log ``values`` under ``<stage>/``: per step in training, per epoch (synced across processes) else."""

@@ -277,7 +277,7 @@ def checkpoint_conflicts(ckpt: dict[str, Any], cfg: Namespace) -> list[str]:
 def main(args: list[str] | None = None) -> DeqscoreCLI:
     """Entry point of ``train.py``."""
     # Importing the families registers them as subclasses of ScoreModule for class_path lookup.
-    from . import dkef, ncsn, nice  # noqa: F401
+    from . import dkef, ncsn, nice, vae  # noqa: F401
 
     return DeqscoreCLI(args=args)
 

@@ -16,7 +16,8 @@ antialiased resize gives other numbers), scaled to ``(k - 128) / 128``. Float im
    imported): its 94 convolution / batch-norm units map in order onto torch-fidelity's (batch-norm scale 1, eps
    1e-3) and give the same features to about 1e-6. The converted weights hold no classifier (only pool3 features are
    defined) and are cached as ``<hub dir>/checkpoints/deqscore-fid-inception-pool3.pth``, a name torch-fidelity
-   never reads;
+   never reads (its Inception Score would use the zero classifier); where that folder cannot be written they are
+   kept in memory for this process;
 4. torch-fidelity's download;
 
 otherwise :class:`~deqscore.data.errors.DataNotFoundError` says which file to put where.
@@ -55,6 +56,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..data.errors import DataNotFoundError
+from ..errors import check_count
 
 FEATURE_DIM = 2048
 FIDELITY_URL = ("https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/"
@@ -143,8 +145,9 @@ def _download(dst: Path) -> bool:
         return False
 
 
-def resolve_inception_weights(path: str | Path | None = None, download: bool = True) -> Path:
-    """The FID Inception weights file, in the order of the module docstring; a clear error when none is found."""
+def resolve_inception_weights(path: str | Path | None = None, download: bool = True) -> Path | dict[str, torch.Tensor]:
+    """The FID Inception weights file, in the order of the module docstring (the converted state dict itself when the
+    hub cache cannot be written); :class:`~deqscore.data.errors.DataNotFoundError` when none is found."""
     if path is not None:
         if not Path(path).is_file():
             raise DataNotFoundError(f"inception_weights: no file at {path}")
@@ -159,10 +162,8 @@ def resolve_inception_weights(path: str | Path | None = None, download: bool = T
         try:
             _save_atomic(converted, hub / CONVERTED_FILE)
             return hub / CONVERTED_FILE
-        except OSError:  # a read-only hub cache: a private copy for this process
-            private = Path(tempfile.mkdtemp()) / CONVERTED_FILE
-            _save_atomic(converted, private)
-            return private
+        except OSError:  # a read-only hub cache: converted again by the next process, never left in a temp folder
+            return converted
     if download and _download(hub / FIDELITY_FILE):
         return hub / FIDELITY_FILE
     raise DataNotFoundError(
@@ -175,7 +176,14 @@ def resolve_inception_weights(path: str | Path | None = None, download: bool = T
 
 
 def as_uint8_rgb(images: torch.Tensor) -> torch.Tensor:
-    """Images ``[B, 1 or 3, H, W]`` (uint8, or float in [0, 1]) as uint8 RGB, floats quantised to ``round(255 x)``."""
+    """Images ``[B, 1 or 3, H, W]`` (uint8, or float in [0, 1]) as uint8 RGB, floats quantised to ``round(255 x)``.
+
+    Float images must lie in [0, 1] exactly, with no tolerance: values outside mean another convention ([-1, 1] or
+    [0, 255] floats), which clipping would hide; samples are clamped to [0, 1] by whoever decodes them.
+
+    >>> as_uint8_rgb(torch.tensor([0.0, 0.5, 1.0]).view(1, 1, 1, 3))[0, :, 0].tolist()
+    [[0, 128, 255], [0, 128, 255], [0, 128, 255]]
+    """
     if images.dim() != 4 or images.shape[1] not in (1, 3):
         raise ValueError(f"FID takes images [B, 1 or 3, H, W], got shape {tuple(images.shape)}")
     if images.dtype != torch.uint8:
@@ -188,24 +196,41 @@ def as_uint8_rgb(images: torch.Tensor) -> torch.Tensor:
     return images.expand(-1, 3, -1, -1) if images.shape[1] == 1 else images
 
 
+def _fidelity_inception(weights: Path | dict[str, torch.Tensor]) -> nn.Module:
+    """torch-fidelity's Inception with ``weights`` (a file, or a state dict held in memory)."""
+    if isinstance(weights, dict):
+        net = _skeleton()
+        nn.Module.load_state_dict(net, weights)  # strict: every tensor named and shaped as torch-fidelity's
+        return net
+    from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
+
+    with warnings.catch_warnings():  # torch.load(weights_only=False) inside torch-fidelity
+        warnings.simplefilter("ignore", FutureWarning)
+        return FeatureExtractorInceptionV3("inception-v3-compat", [str(FEATURE_DIM)],
+                                           feature_extractor_weights_path=str(weights))
+
+
 class InceptionFeatures(nn.Module):
     """Pool3 features (float64 ``[B, 2048]``) of the FID Inception-v3 for images ``[B, 1 or 3, H, W]``.
+
+    The network is in eval mode with frozen weights; images are resized to 299x299 inside it (see the module
+    docstring), so any resolution works.
 
     Args:
         weights: a weights file (None: :func:`resolve_inception_weights`).
         chunk: images per forward pass (memory).
+
+    >>> features = InceptionFeatures()                          # doctest: +SKIP
+    >>> features(torch.rand(4, 1, 28, 28)).shape                # doctest: +SKIP
+    torch.Size([4, 2048])
     """
 
     def __init__(self, weights: str | Path | None = None, chunk: int = 64):
         super().__init__()
-        from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
-
-        path = resolve_inception_weights(weights)
-        self.weights_path, self.chunk = path, chunk
-        with warnings.catch_warnings():  # torch.load(weights_only=False) inside torch-fidelity
-            warnings.simplefilter("ignore", FutureWarning)
-            self.net = FeatureExtractorInceptionV3("inception-v3-compat", [str(FEATURE_DIM)],
-                                                   feature_extractor_weights_path=str(path))
+        check_count("chunk", chunk)
+        source = resolve_inception_weights(weights)
+        self.weights_path, self.chunk = (source if isinstance(source, Path) else None), chunk
+        self.net = _fidelity_inception(source)
 
     @torch.no_grad()
     def forward(self, images: torch.Tensor) -> torch.Tensor:

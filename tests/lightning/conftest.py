@@ -80,11 +80,31 @@ def _ncsn_tiny(config: dict) -> list[str]:
     return args
 
 
+def _vae_tiny(config: dict) -> list[str]:
+    net = "--model.init_args.net.init_args"
+    init = config["model"]["init_args"]["net"]["init_args"]
+    args = [f"{net}.z_dim", "3", f"{net}.hidden", "16", "--trainer.limit_train_batches", "3",
+            "--trainer.limit_val_batches", "2", "--trainer.limit_test_batches", "1"]
+    if "eps_dim" in init:
+        args += [f"{net}.eps_dim", "3"]
+    if init.get("arch") == "conv":
+        args += [f"{net}.nef", "4", "--data.init_args.data_dir", str(fake_image_data()),
+                 "--data.init_args.num_workers", "0", "--data.init_args.use_lmdb", "false"]
+    else:
+        args += ["--data.init_args.train_subset", "48", "--data.init_args.val_subset", "16",
+                 "--data.init_args.test_subset", "16", "--model.init_args.ais_batches", "1",
+                 "--model.init_args.ais_steps", "5", "--model.init_args.ais_chains", "2"]
+    if init.get("deq"):
+        args += [f"{net}.deq.init_args.max_iter", "30", f"{net}.deq.init_args.tol", "1e-4"]
+    return args
+
+
 #: family -> (its configs, a function giving the overrides that shrink one of them to seconds on a CPU)
 FAMILY_TINY = {
     "nice": ([*sorted((ROOT / "configs" / "nice").glob("*.yaml")), ROOT / "configs" / "demo.yaml"], _nice_tiny),
     "dkef": (sorted((ROOT / "configs" / "dkef").glob("*.yaml")), _dkef_tiny),
     "ncsn": (sorted((ROOT / "configs" / "ncsn").glob("*.yaml")), _ncsn_tiny),
+    "vae": (sorted((ROOT / "configs" / "vae").glob("*.yaml")), _vae_tiny),
 }
 
 

@@ -1,0 +1,141 @@
+"""VAEs with an implicit encoder (entropy gradient from a score network trained by SSM-VR) and the Gaussian-encoder
+baseline, on binarised MNIST (MLP) and 32x32 / 64x64 RGB images (conv) (docs/method.md sections 3.8, 4.3).
+
+Each training step (manual optimisation, two optimisers):
+
+1. ``score_updates`` (default 2) steps of the score network's optimiser on its SSM-VR loss, on encoder samples with
+   x and z detached: nothing reaches the encoder, the decoder or their optimiser;
+2. one step of the encoder/decoder optimiser on the surrogate (the score enters detached: nothing reaches the score
+   network or its optimiser).
+
+Lightning counts every optimiser step in ``global_step`` (``score_updates + 1`` per batch). MNIST pixels are
+binarised afresh every step (``x = 1[U <= p]``, seeded by the step, so a resume repeats it); RGB images get the
+dequantisation noise ``U(-1/2, 1/2)/256``. Validation and test log the surrogate (``loss``; the negative ELBO for the
+Gaussian baseline), the score network's SSM-VR loss (``score_ssm``) and, for MNIST decoders on the first
+``ais_batches`` test batches, the AIS estimate of ``log p(x)`` (``ais_log_likelihood``, nats; a stochastic lower
+bound). Samples are decoder means of ``z ~ N(0, I)``, so ``sample.py`` and the FID callback work unchanged.
+
+Config::
+
+    model:
+      class_path: deqscore.lightning.VAEModule
+      init_args:
+        net: {class_path: deqscore.models.ImplicitVAE, init_args: {arch: mlp, z_dim: 8, score: deq}}
+        ae_optimizer: {class_path: torch.optim.RMSprop, init_args: {lr: 1.0e-3}}
+        score_optimizer: {class_path: torch.optim.RMSprop, init_args: {lr: 1.0e-3}}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from pytorch_lightning.cli import OptimizerCallable
+
+from ..errors import ConfigError, check_count, check_real
+from ..metrics.ais import ais_log_likelihood
+from ..models import GaussianVAE, ImplicitVAE
+from .base import ScoreModule, _inputs
+
+
+class VAEModule(ScoreModule):
+    """LightningModule around :class:`deqscore.models.ImplicitVAE` or :class:`deqscore.models.GaussianVAE`."""
+
+    family = "vae"
+
+    def __init__(
+        self,
+        net: ImplicitVAE | GaussianVAE,  # the VAE (encoder, decoder and, if implicit, score network)
+        ae_optimizer: OptimizerCallable = torch.optim.RMSprop,  # encoder/decoder optimiser (configs set lr)
+        score_optimizer: OptimizerCallable = torch.optim.RMSprop,  # score-network optimiser
+        score_updates: int = 2,  # score-network steps per encoder/decoder step
+        binarize: bool | None = None,  # dynamic binarisation (None: for the MLP / Bernoulli decoder)
+        ais_batches: int = 0,  # test batches scored by AIS (MNIST decoders); 0: none
+        ais_steps: int = 1000,  # AIS intermediate distributions
+        ais_chains: int = 16,  # AIS chains per image
+        ais_leapfrog: int = 10,  # leapfrog steps per HMC move
+        ais_step_size: float = 0.01,  # initial HMC step size (adapted per chain)
+    ):
+        super().__init__()
+        check_count("VAEModule score_updates", score_updates, low=0)
+        check_count("VAEModule ais_batches", ais_batches, low=0)
+        check_count("VAEModule ais_steps", ais_steps)
+        check_count("VAEModule ais_chains", ais_chains)
+        check_count("VAEModule ais_leapfrog", ais_leapfrog)
+        check_real("VAEModule ais_step_size", ais_step_size)
+        self.net = net
+        self.implicit = isinstance(net, ImplicitVAE)
+        if ais_batches and net.arch != "mlp":
+            raise ConfigError("VAEModule ais_batches: AIS is for the Bernoulli (MLP) decoder of binarised MNIST")
+        self.ae_optimizer, self.score_optimizer = ae_optimizer, score_optimizer
+        self.score_updates = score_updates if self.implicit else 0
+        self.binarize = net.arch == "mlp" if binarize is None else binarize
+        self.ais = {"n_steps": ais_steps, "n_chains": ais_chains, "leapfrog": ais_leapfrog, "step_size": ais_step_size}
+        self.ais_batches = ais_batches
+        self.automatic_optimization = False
+
+    # ----- data ---------------------------------------------------------------------------------------------
+    def prepare(self, x: torch.Tensor) -> torch.Tensor:
+        """Binarised (MNIST) or dequantised (RGB) pixels, from the global RNG (seeded per step by the base)."""
+        if self.binarize:
+            return torch.bernoulli(x.clamp(0, 1))
+        return (x + (torch.rand_like(x) - 0.5) / 256).clamp(0, 1)
+
+    # ----- losses -------------------------------------------------------------------------------------------
+    def compute_loss(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = self.prepare(x)
+        terms = {"loss": self.net.surrogate(x)}
+        if self.implicit:
+            terms["score_ssm"] = self.net.score_loss(x)
+        return terms
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        optimizers = [self.ae_optimizer(self.net.ae_parameters())]
+        if self.implicit:
+            optimizers.append(self.score_optimizer(self.net.score.parameters()))
+        return optimizers
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if not self._run_facts_logged:
+            self._log_run_facts(batch)
+        x = self.prepare(_inputs(batch))
+        optimizers = self.optimizers()
+        optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+        score_losses = []
+        for _ in range(self.score_updates):
+            loss = self.net.score_loss(x).mean()
+            self._step(optimizers[1], loss)
+            score_losses.append(loss.detach())
+        surrogate = self.net.surrogate(x).mean()
+        self._step(optimizers[0], surrogate)
+        values = {"loss": surrogate.detach()}
+        if score_losses:
+            values["score_ssm"] = torch.stack(score_losses).mean()
+        self.log_stage("train", values, batch_size=x.shape[0])
+        return surrogate.detach()
+
+    def _step(self, optimizer: Any, loss: torch.Tensor) -> None:
+        self.check_finite(loss, "train")
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+
+    def eval_metrics(self, x: torch.Tensor, stage: str, batch_idx: int) -> dict[str, torch.Tensor]:
+        if stage != "test" or batch_idx >= self.ais_batches:
+            return {}
+        x = self.prepare(x)
+        gen = torch.Generator(device=x.device).manual_seed(batch_idx)
+        estimate = ais_log_likelihood(self.net.log_likelihood, x, self.net.z_dim, generator=gen, **self.ais)
+        return {"ais_log_likelihood": estimate.mean()}
+
+    # ----- samples ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def sample(self, n: int) -> torch.Tensor:
+        """Decoder means of ``n`` prior draws, ``[n, dim]`` in [0, 1]."""
+        device = next(self.net.parameters()).device
+        was_training = self.net.training
+        self.net.eval()
+        try:
+            return self.net.decode_mean(torch.randn(n, self.net.z_dim, device=device))
+        finally:
+            self.net.train(was_training)
