@@ -26,6 +26,7 @@ import torch
 
 from ..lightning.callbacks import read_metrics_csv
 from .measure import environment
+from .study import chosen_variants, write_study
 
 ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = {"deq": "configs/ncsn/deq_mnist.yaml", "explicit": "configs/ncsn/explicit_mnist.yaml"}
@@ -97,17 +98,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="arguments passed to every fit")
     args = parser.parse_args(argv)
-    names = [v for v in args.variants.split(",") if v]
-    unknown = sorted(set(names) - set(VARIANTS))
-    if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")
+    names = chosen_variants(parser, args.variants, VARIANTS)
     env = environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     rows = [run_variant(name, args) for name in names]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "ncsn_mnist_study.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
-    (out / "ncsn_mnist_study.md").write_text(to_markdown(rows, env))
-    print(to_markdown(rows, env))
+    write_study(args.out, "ncsn_mnist_study", rows, env, to_markdown(rows, env))
     return rows
 
 

@@ -96,6 +96,24 @@ def to_markdown(rows: list[dict], env: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def chosen_variants(parser: argparse.ArgumentParser, text: str, known: dict) -> list[str]:
+    """The comma-separated variant names of ``text``; an unknown one is a parser error listing ``known``."""
+    names = [v for v in text.split(",") if v]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {sorted(known)}")
+    return names
+
+
+def write_study(out: str | Path, stem: str, rows: list[dict], env: dict, markdown: str) -> None:
+    """``<out>/<stem>.json`` (environment and rows) and ``<out>/<stem>.md``; the markdown is also printed."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+    (out / f"{stem}.md").write_text(markdown)
+    print(markdown)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=2)
@@ -104,17 +122,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="arguments passed to every run")
     args = parser.parse_args(argv)
-    names = [v for v in args.variants.split(",") if v]
-    unknown = sorted(set(names) - set(VARIANTS))
-    if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")
+    names = chosen_variants(parser, args.variants, VARIANTS)
     env = environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))  # before the load we add
     rows = [run_variant(name, args.epochs, Path(args.runs_root), args.extra) for name in names]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "nice_study.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
-    (out / "nice_study.md").write_text(to_markdown(rows, env))
-    print(to_markdown(rows, env))
+    write_study(args.out, "nice_study", rows, env, to_markdown(rows, env))
     return rows
 
 

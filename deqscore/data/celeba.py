@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 
 from deqscore.data.base import ImageDataModule
 from deqscore.data.errors import CorruptDataError, DataNotFoundError
+from deqscore.files import staged
 
 __all__ = ["CelebADataModule", "crop_resize", "load_celeba64", "read_partition"]
 
@@ -91,14 +92,11 @@ def _check_images(folder: Path, names: list[str]) -> None:
 
 
 def _save_atomically(cache: Path, images: np.ndarray) -> None:
-    tmp = cache.with_name(f".{cache.stem}.partial.{os.getpid()}.npy")  # same folder: os.replace is atomic
     try:
-        np.save(tmp, images)
-        os.replace(tmp, cache)
+        with staged([cache]) as (tmp,):
+            np.save(tmp, images)
     except OSError as err:  # a read-only data folder: decode again next time
         warnings.warn(f"cannot cache the decoded CelebA images as {cache}: {err}", RuntimeWarning, stacklevel=3)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _decode(folder: Path, names: list[str], cache: Path) -> np.ndarray:

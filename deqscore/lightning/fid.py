@@ -32,7 +32,7 @@ import torch
 from pytorch_lightning.callbacks import WeightAveraging
 
 from ..errors import ConfigError, check_count
-from ..metrics.fid import FeatureStats, InceptionFeatures, dataset_stats, frechet_distance
+from ..metrics.fid import FeatureStats, GaussianStats, InceptionFeatures, dataset_stats, frechet_distance
 from ..sampling import save_image_grid
 from .callbacks import run_dir
 
@@ -81,6 +81,7 @@ class FIDCallback(pl.Callback):
         self.best_fid = float("inf")
         self._new_best = False
         self._features: InceptionFeatures | None = None
+        self._reference: GaussianStats | None = None  # read (or computed) once per run, not at every evaluation
 
     # ----- checks and state -------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, module: pl.LightningModule, stage: str) -> None:
@@ -127,12 +128,13 @@ class FIDCallback(pl.Callback):
     def on_validation_epoch_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if not self._due(trainer):
             return
-        datamodule = trainer.datamodule
-        reference = dataset_stats(datamodule, train=True, max_images=self.reference_images, root=self.stats_root,
-                                  extractor=self.features(module.device), barrier=trainer.strategy.barrier,
-                                  is_writer=trainer.is_global_zero)
+        if self._reference is None:
+            self._reference = dataset_stats(
+                trainer.datamodule, train=True, max_images=self.reference_images, root=self.stats_root,
+                extractor=self.features(module.device), barrier=trainer.strategy.barrier,
+                is_writer=trainer.is_global_zero)
         stats, grid = self.sample_stats(trainer, module)
-        fid = frechet_distance(stats, reference)
+        fid = frechet_distance(stats, self._reference)
         module.log("val/fid", fid, on_epoch=True, sync_dist=False)  # the same value on every process
         module.log("val/fid_samples", float(self.num_samples), on_epoch=True, sync_dist=False)
         if trainer.is_global_zero and len(grid):

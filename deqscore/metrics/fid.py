@@ -41,7 +41,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -57,6 +56,7 @@ from tqdm.auto import tqdm
 
 from ..data.errors import DataNotFoundError
 from ..errors import check_count
+from ..files import staged
 
 FEATURE_DIM = 2048
 FIDELITY_URL = ("https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/"
@@ -128,12 +128,8 @@ def convert_fid_helper(source: str | Path) -> dict[str, torch.Tensor]:
 
 def _save_atomic(obj: Any, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.partial.{os.getpid()}")
-    try:
+    with staged([path]) as (tmp,):
         torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _download(dst: Path) -> bool:
@@ -325,13 +321,9 @@ def save_stats(path: str | Path, stats: GaussianStats, key: dict[str, Any] | Non
     """Write ``mu``, ``sigma``, ``count``, the key (JSON) and a checksum of the moments to ``path``, atomically."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.partial.{os.getpid()}.npz")
-    try:
+    with staged([path]) as (tmp,):
         np.savez(tmp, mu=stats.mu, sigma=stats.sigma, count=stats.count, key=json.dumps(key or {}, sort_keys=True),
                  sha256=_digest(stats.mu, stats.sigma))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def load_stats(path: str | Path, key: dict[str, Any] | None = None, dim: int = FEATURE_DIM) -> GaussianStats:

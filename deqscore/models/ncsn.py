@@ -267,12 +267,13 @@ class DEQBody(nn.Module):
 # ---------------------------------------------------------------- the network
 
 
-def image_side(dim: int, channels: int) -> int:
-    """Side of the square ``channels``-channel image with ``dim`` values, or a ConfigError."""
-    check_count("NCSN channels", channels)
+def image_side(dim: int, channels: int, owner: str = "NCSN") -> int:
+    """Side of the square ``channels``-channel image with ``dim`` values, or a ConfigError naming ``owner``'s
+    options."""
+    check_count(f"{owner} channels", channels)
     side = math.isqrt(dim // channels) if dim % channels == 0 else 0
     if side < 1 or channels * side * side != dim:
-        raise ConfigError(f"NCSN dim={dim} is not a square image of channels={channels}; set `channels` to the "
+        raise ConfigError(f"{owner} dim={dim} is not a square image of channels={channels}; set `channels` to the "
                           "data's (1 for MNIST, 3 for CIFAR-10 and CelebA)")
     return side
 

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from ..deq import DEQ
 from ..errors import ConfigError, check_count, check_real, choice_error
 from ..losses import sliced_score_matching
+from .ncsn import image_side
 from .nice import DEQFactory
 
 VAE_ARCHS = ("mlp", "conv")
@@ -201,9 +202,7 @@ def _check(dim: int, channels: int, arch: str, z_dim: int, eps_dim: int, hidden:
         check_count(f"VAE {key}", value)
     if arch == "mlp":
         return None
-    side = math.isqrt(dim // channels) if dim % channels == 0 else 0
-    if channels * side * side != dim:
-        raise ConfigError(f"VAE dim={dim} is not a square image of channels={channels}")
+    side = image_side(dim, channels, "VAE")
     _downs(side)
     return side
 

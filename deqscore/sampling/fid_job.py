@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 
 from ..data.errors import CorruptDataError, DataNotFoundError
 from ..errors import ConfigError
+from ..files import staged
 from ..metrics.fid import FeatureStats, InceptionFeatures, dataset_stats, frechet_distance, load_stats
 
 
@@ -77,7 +77,6 @@ class FIDJob:
         """The FID, written with its sample count and reference to ``path`` (JSON, atomically); the report."""
         report = {"fid": frechet_distance(self.stats, self.reference), "num_samples": int(self.stats.count),
                   "reference": self.reference_label, **self.meta}
-        tmp = path.with_name(f".{path.name}.partial.{os.getpid()}")
-        tmp.write_text(json.dumps(report, indent=1) + "\n")
-        os.replace(tmp, path)
+        with staged([path]) as (tmp,):
+            tmp.write_text(json.dumps(report, indent=1) + "\n")
         return report

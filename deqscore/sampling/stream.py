@@ -24,8 +24,7 @@ from __future__ import annotations
 import os
 import tempfile
 import zipfile
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -34,6 +33,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..files import staged
 from .grid import save_image_grid
 
 #: at most this many samples go into the PNG grid
@@ -162,20 +162,6 @@ class Preview:
         if self.array is None:
             raise ValueError("no images seen")
         return torch.from_numpy(self.array[: self.count])
-
-
-@contextmanager
-def staged(finals: Sequence[Path]) -> Iterator[list[Path]]:
-    """Temporary names next to ``finals``, renamed onto them when the block completes and removed otherwise."""
-    temps = [f.with_name(f".{f.stem}.partial.{os.getpid()}{f.suffix}") for f in finals]
-    try:
-        yield temps
-    except BaseException:
-        for temp in temps:
-            temp.unlink(missing_ok=True)
-        raise
-    for temp, final in zip(temps, finals, strict=True):
-        os.replace(temp, final)
 
 
 # ----- drawing -----------------------------------------------------------------------------------------------
