@@ -17,6 +17,7 @@ from deqscore.bench.dkef import build_dkef, data_root, make_module, step_activat
 from deqscore.bench.measure import make_inputs
 from deqscore.bench.ncsn import build_ncsn
 from deqscore.bench.settings import FORCED_TOL, QUICK, SECTIONS
+from deqscore.bench.vae import build_vae
 from deqscore.data import UCIDataModule
 from deqscore.deq import DEQ, get_solver
 from deqscore.lightning import load_module
@@ -241,3 +242,17 @@ def test_ncsn_rows_cover_every_body_and_loss_with_ratios_to_ncsnv2(result):
     for r in sampling:
         evals = QUICK.ncsn_levels * QUICK.ncsn_langevin_steps + 1
         assert r["sample_s_per_image"] == pytest.approx(r["eval_ms_per_image"] * evals / 1e3)
+
+
+def test_vae_rows_compare_explicit_and_deq_score_networks(result):
+    rows = _rows(result[1], "vae")
+    for arch, label, short in (("mlp", "MNIST MLP", "MNIST MLP"),
+                               ("conv", f"{QUICK.vae_side}x{QUICK.vae_side} conv", "conv")):
+        explicit, deq = (next(r for r in rows if r["model"] == f"{label}, {kind}") for kind in ("explicit", "deq"))
+        for kind, r in (("explicit", explicit), ("deq", deq)):
+            vae = build_vae(QUICK, arch, kind)
+            assert r["score_params"] == sum(p.numel() for p in vae.score.parameters())
+            assert r["params"] == sum(p.numel() for p in vae.parameters())
+            assert r["act_mib"] > 0 and r["iteration_ms"] > 0 and (r["solver_iters"] is not None) == (kind == "deq")
+        ratio = next(r for r in rows if r["model"] == f"ratio DEQ / explicit, {short}")
+        assert ratio["act_mib"] == f"{deq['act_mib'] / explicit['act_mib']:.3f}x"

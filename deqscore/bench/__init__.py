@@ -1,4 +1,4 @@
-"""Benchmarks of the DEQ layer for score matching: memory, phantom-gradient fidelity, solvers, NICE.
+"""Benchmarks of the DEQ layer for score matching: memory, phantom-gradient fidelity, solvers, and each model family.
 
 Run::
 
@@ -12,7 +12,9 @@ unrolled DEQ vs explicit MLP), ``phantom_fidelity`` (phantom vs exact SSM gradie
 (Picard/Anderson/Broyden function evaluations), ``nice`` (explicit vs DEQ NICE) and ``dkef`` (DKEF with explicit
 shallow, explicit deep and DEQ feature nets on RedWine and synthetic high-dimensional Gaussians, each trained for
 the same short budget: parameters, step memory and time, test log-likelihood; ``--sections dkef --out
-benchmarks/results/dkef`` takes about 15 minutes on 2 CPU cores); then a targets table with pass/fail computed
+benchmarks/results/dkef`` takes about 15 minutes on 2 CPU cores), ``ncsn`` (NCSN bodies at 32x32: shallow,
+DEQ, NCSNv2; step memory and time, sampling cost, ratios to NCSNv2) and ``vae`` (the implicit-encoder VAE's
+explicit vs DEQ score networks, MNIST MLP and 64x64 conv); then a targets table with pass/fail computed
 from the measurements. Times are medians over ``--repeats`` steps after one warm-up
 (fewer for rows that would exceed the row budget); all sizes are in :mod:`deqscore.bench.settings`.
 

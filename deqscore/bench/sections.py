@@ -1,5 +1,5 @@
-"""The benchmark sections, each returning a :class:`~deqscore.bench.report.Table` (``dkef``, ``ncsn``: their own
-modules)."""
+"""The benchmark sections, each returning a :class:`~deqscore.bench.report.Table` (``dkef``, ``ncsn``, ``vae``:
+their own modules)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from .measure import CouplingDensity, log, make_inputs, measure_step, ssm_step, 
 from .ncsn import ncsn
 from .report import Column, Table
 from .settings import FORCED_TOL, MAIN_SOLVER_BLOCK, RANDOM_INIT_BLOCK, SOLVERS, Settings
+from .vae import vae
 
 
 def _step_columns(device: torch.device) -> list[Column]:
@@ -327,5 +328,6 @@ SECTION_FUNCS = {
     "nice": nice,
     "dkef": dkef,
     "ncsn": ncsn,
+    "vae": vae,
 }
 

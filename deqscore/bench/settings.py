@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-SECTIONS: tuple[str, ...] = ("memory_vs_iterations", "phantom_fidelity", "solvers", "nice", "dkef", "ncsn")
+SECTIONS: tuple[str, ...] = ("memory_vs_iterations", "phantom_fidelity", "solvers", "nice", "dkef", "ncsn", "vae")
 SOLVERS: tuple[str, ...] = ("picard", "anderson", "broyden")
 DEFAULT_OUT = "benchmarks/results"
 MNIST_DIM = 784  # data dimension for which real (logit-space MNIST) inputs are used
@@ -101,6 +101,15 @@ class Settings:
     ncsn_tol: float = 1e-3  # max_iter at this size; a relative tolerance keeps CPU rows affordable
     ncsn_stop_mode: str = "rel"
     ncsn_max_iter: int = 40
+    # 7. vae: explicit vs DEQ score networks of the implicit-encoder VAE (configs/vae/*_mnist, *_celeba)
+    vae_batch: int = 128  # MNIST MLP
+    vae_conv_batch: int = 16  # 64x64 conv: the DEQ's full-resolution solve makes CPU rows slow at 128
+    vae_hidden: int = 256  # MNIST MLP width
+    vae_side: int = 64  # conv: CelebA 64x64
+    vae_nef: int = 64
+    vae_score_updates: int = 2
+    vae_tol: float = 5e-6  # the configs' Picard tolerance (absolute, whole batch)
+    vae_max_iter: int = 128
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -141,6 +150,12 @@ QUICK = replace(
     ncsn_batch=4,
     ncsn_levels=10,
     ncsn_sample_batch=4,
+    vae_batch=4,
+    vae_conv_batch=4,
+    vae_hidden=16,
+    vae_side=16,
+    vae_nef=4,
+    vae_max_iter=20,
 )
 
 

@@ -198,11 +198,8 @@ class DEQ(nn.Module):
         if not fz.requires_grad:  # nothing to differentiate (e.g. under no_grad)
             return fz
         max_iter, tol = self.ift_max_iter, self.ift_tol
-        inside = [False]  # the inner vector-Jacobian products pass through this hook again
 
-        def implicit_grad(grad: torch.Tensor) -> torch.Tensor | None:
-            if inside[0]:
-                return None
+        def implicit_grad(grad: torch.Tensor) -> torch.Tensor:
             if torch.is_grad_enabled():
                 raise SecondOrderIFTError(
                     "DEQ backward='ift' cannot be differentiated twice: a score-matching loss (exact SM, "
@@ -211,28 +208,28 @@ class DEQ(nn.Module):
                 )
             # Solve g = J^T g + grad, J = d func / d z at the fixed point, by fixed-point iteration.
             g = grad
-            inside[0] = True
-            try:
-                for _ in range(max_iter):
-                    (jtg,) = torch.autograd.grad(fz, z_in, g, retain_graph=True)
-                    g_new = jtg + grad
-                    change, size = torch.stack([(g_new - g).norm(), g_new.norm()]).tolist()
-                    g = g_new
-                    if change <= tol * (size + 1e-30):
-                        break
-                else:
-                    warnings.warn(
-                        f"DEQ IFT backward did not converge in {max_iter} iterations: relative change "
-                        f"{change / (size + 1e-30):.3e} > ift_tol {tol:.1e}; the gradient is inexact",
-                        DEQConvergenceWarning,
-                        stacklevel=2,
-                    )
-            finally:
-                inside[0] = False
+            for _ in range(max_iter):
+                (jtg,) = torch.autograd.grad(fz, z_in, g, retain_graph=True)
+                g_new = jtg + grad
+                change, size = torch.stack([(g_new - g).norm(), g_new.norm()]).tolist()
+                g = g_new
+                if change <= tol * (size + 1e-30):
+                    break
+            else:
+                warnings.warn(
+                    f"DEQ IFT backward did not converge in {max_iter} iterations: relative change "
+                    f"{change / (size + 1e-30):.3e} > ift_tol {tol:.1e}; the gradient is inexact",
+                    DEQConvergenceWarning,
+                    stacklevel=2,
+                )
             return g
 
-        fz.register_hook(implicit_grad)
-        return fz
+        # The hook sits on a view of fz, not on fz: a hook on fz's own graph node that refers to fz would make a
+        # reference cycle through autograd's C++ graph, which Python's collector cannot free (every step's graph
+        # would leak). It also keeps the inner vector-Jacobian products above from passing through the hook.
+        out = fz.view_as(fz)
+        out.register_hook(implicit_grad)
+        return out
 
 
 @contextmanager

@@ -55,6 +55,27 @@ def _inputs(batch: Any) -> torch.Tensor:
     return batch[0] if isinstance(batch, list | tuple) else batch
 
 
+def complete_finished_epoch(checkpoint: dict[str, Any]) -> bool:
+    """Mark an epoch whose batches all ran (saved from its end hooks) as completed in ``checkpoint``'s loop state.
+
+    Lightning 2.6 resumes such a checkpoint of a run with ``max_steps`` set by replaying the epoch's end: its
+    hooks run a second time, the epoch is counted twice (a resumed ``max_epochs: 2`` run stops at once) and the
+    data order of every later epoch shifts. Without ``max_steps`` it marks the epoch completed and goes on; this
+    gives both kinds of run that behaviour (with :meth:`ScoreModule.on_train_epoch_start`, which starts the next
+    epoch afresh rather than as a restart). True if the checkpoint was such a one.
+    """
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop")
+    if not fit_loop or not fit_loop.get("epoch_loop.batch_progress", {}).get("is_last_batch"):
+        return False
+    progress = fit_loop["epoch_progress"]
+    trackers = (progress["total"], progress["current"])
+    if not all(t["ready"] == t["started"] == t["processed"] == t["completed"] + 1 for t in trackers):
+        return False
+    for tracker in trackers:
+        tracker["completed"] = tracker["processed"]
+    return True
+
+
 def family_registry() -> dict[str, type[ScoreModule]]:
     """Model family name -> LightningModule class."""
     return dict(_FAMILIES)
@@ -93,6 +114,7 @@ class ScoreModule(pl.LightningModule):
             elif not _plain(value):
                 del self.hparams[key]
         self._run_facts_logged = False
+        self._resumed_after_epoch = False  # see complete_finished_epoch
         self.image_codec: ImageCodec | None = None
         # the image data module's class and data folder: where FID reference images come from after training
         self.data_source: dict[str, str] | None = None
@@ -213,6 +235,9 @@ class ScoreModule(pl.LightningModule):
         self._reseed(-2)
 
     def on_train_epoch_start(self) -> None:
+        if self._resumed_after_epoch:  # a fresh epoch after a finished one, not the restart of an unfinished one
+            self.trainer.fit_loop.epoch_loop.restarting = False
+            self._resumed_after_epoch = False
         # data modules with epoch-dependent randomness (dequantisation noise, shuffling) follow the epoch
         if hasattr(self.datamodule(), "set_epoch"):
             self.datamodule().set_epoch(self.current_epoch)
@@ -237,9 +262,14 @@ class ScoreModule(pl.LightningModule):
         x = _inputs(batch)
         if x.is_cuda:
             torch.cuda.reset_peak_memory_stats(x.device)
-        # forked RNG: the measurement must not shift the random draws of the step itself
+        # forked RNG and restored buffers (batch-norm statistics): the measurement must not change the step itself,
+        # nor make a resumed run (which measures again) differ from one that ran straight through
+        buffers = {name: b.clone() for name, b in self.named_buffers()}
         with torch.random.fork_rng(), SavedTensorMeter(exclude=self.parameters()) as meter, torch.enable_grad():
             self.loss_terms(x)
+        with torch.no_grad():
+            for name, b in self.named_buffers():
+                b.copy_(buffers[name])
         facts = {"run/parameters": float(parameter_count(self)), "run/activation_memory_mb": meter.bytes / 2**20}
         if x.is_cuda:
             facts["run/max_memory_allocated_mb"] = torch.cuda.max_memory_allocated(x.device) / 2**20
@@ -290,3 +320,4 @@ class ScoreModule(pl.LightningModule):
             self.image_codec = ImageCodec.from_dict(checkpoint[CODEC_KEY])
         if checkpoint.get(DATA_KEY) is not None:
             self.data_source = dict(checkpoint[DATA_KEY])
+        self._resumed_after_epoch = complete_finished_epoch(checkpoint)

@@ -59,6 +59,13 @@ class NICEModule(ScoreModule):
         self.refuse_ift(self.loss.input_derivatives + 1 if isinstance(self.loss, ScoreLoss) else 0, self.loss)
         self.exact_sm_batches, self.exact_sm_samples = exact_sm_batches, exact_sm_samples
 
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        transform = getattr(self.datamodule(), "transform", None)
+        if transform == "pixels":  # a density needs dequantised data (a point mass at k/255 has no density)
+            raise ConfigError("data.init_args.transform: NICE models the density of dequantised images; 'pixels' is "
+                              "not accepted\n  accepted: 'logit', 'unit', 'logit_squeeze'")
+
     def score(self, x: torch.Tensor) -> torch.Tensor:
         """Model score ``grad_x log p(x)`` (x must require grad)."""
         return score_from_log_prob(self.net.log_prob)(x)

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from pytorch_lightning.cli import OptimizerCallable
+from pytorch_lightning.strategies import DDPStrategy
 
 from ..errors import ConfigError, check_count, check_real
 from ..metrics.ais import ais_log_likelihood
@@ -73,6 +74,15 @@ class VAEModule(ScoreModule):
         self.ais = {"n_steps": ais_steps, "n_chains": ais_chains, "leapfrog": ais_leapfrog, "step_size": ais_step_size}
         self.ais_batches = ais_batches
         self.automatic_optimization = False
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        strategy = self.trainer.strategy
+        # Each optimiser's loss leaves the other network out of its graph: DDP must be told to expect that (with it,
+        # every manual backward re-arms the gradient averaging for the parameters it reaches).
+        if isinstance(strategy, DDPStrategy) and not getattr(strategy, "_ddp_kwargs", {}).get("find_unused_parameters"):
+            raise ConfigError("trainer.strategy: the VAE under DDP needs 'ddp_find_unused_parameters_true' (each of "
+                              "its two losses uses only its own network)")
 
     # ----- data ---------------------------------------------------------------------------------------------
     def prepare(self, x: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,8 @@ of a latent-variable model (docs/method.md section 4.3, evaluation).
 
 For each ``x`` and each of ``n_chains`` chains, ``z`` starts from the prior ``N(0, I)`` and moves through the
 intermediate targets ``pi_t(z) ∝ N(z; 0, I) p(x | z)^beta_t``, ``0 = beta_0 < ... < beta_T = 1`` on a sigmoid schedule,
-by one HMC step each (``leapfrog`` leapfrog steps of a per-chain step size adapted towards an acceptance rate of
-0.65). The log weight collects ``(beta_t - beta_{t-1}) log p(x | z_{t-1})``, and
+by one HMC step each (``leapfrog`` leapfrog steps of a step size per x, adapted towards an acceptance rate of
+0.65 over its chains). The log weight collects ``(beta_t - beta_{t-1}) log p(x | z_{t-1})``, and
 ``log p(x) ~ logmeanexp_chains(log w)``, whose expectation is a lower bound (Jensen) that tightens with T.
 
 >>> import torch
@@ -90,6 +90,9 @@ def ais_log_likelihood(
     for t in tqdm(range(1, n_steps + 1), desc="AIS", unit="step", disable=not progress, leave=False):
         log_w += (betas[t] - betas[t - 1]) * log_lik(xr, z).double()
         z, accept = _hmc(log_lik, xr, z, betas[t], step, leapfrog, generator)
-        step = step * torch.exp(0.02 * (accept.to(step.dtype) - TARGET_ACCEPTANCE))  # steady at that acceptance
+        # one step size per x, from the acceptance rate of all its chains (a chain adapting to its own
+        # acceptances would bias its weights)
+        rate = accept.to(step.dtype).view(b, n_chains).mean(1).repeat_interleave(n_chains)
+        step = step * torch.exp(0.02 * (rate - TARGET_ACCEPTANCE))  # steady at that acceptance
     log_w = log_w.view(b, n_chains)
     return torch.logsumexp(log_w, 1) - math.log(n_chains)

@@ -1,4 +1,6 @@
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -246,3 +248,34 @@ def test_ift_backward_warns_when_its_solve_does_not_converge():
     x = torch.randn(4, DIM, dtype=torch.float64)
     with pytest.warns(DEQConvergenceWarning, match="IFT backward did not converge in 2 iterations"):
         net(x).pow(2).mean().backward()
+
+
+class RecordingMap(TanhMap):
+    """A :class:`TanhMap` that keeps a weak reference to every input that requires grad (the backward graph's)."""
+
+    def __init__(self, dim):
+        super().__init__(dim)
+        self.inputs = []
+
+    def forward(self, z, u):
+        if z.requires_grad:
+            self.inputs.append(weakref.ref(z))
+        return super().forward(z, u)
+
+
+@pytest.mark.parametrize("backward", ["ift", "phantom", "unroll"])
+@pytest.mark.parametrize("run_backward", [True, False])
+def test_a_step_frees_its_graph(backward, run_backward):
+    # a graph kept alive by a reference cycle (e.g. a backward hook referring to its own tensor) grows memory
+    # every training step; once the outputs are dropped, nothing of the layer's graph may survive
+    torch.manual_seed(0)
+    func = RecordingMap(DIM)
+    deq = DEQ(func, solver="anderson", backward=backward, tol=1e-10, max_iter=100, warm_start=False)
+    u = torch.randn(4, DIM, dtype=torch.float64, requires_grad=True)
+    loss = deq(u).pow(2).sum()
+    assert func.inputs and any(ref() is not None for ref in func.inputs)  # alive while the output is
+    if run_backward:
+        loss.backward()
+    del loss
+    gc.collect()
+    assert all(ref() is None for ref in func.inputs)

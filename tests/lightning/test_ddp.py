@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import pytorch_lightning as pl
 import torch
 
 from .conftest import ROOT, tiny_args
@@ -69,3 +70,44 @@ def test_fid_under_ddp_is_that_of_the_samples_of_both_processes(tmp_path):
     # one process's samples alone give another FID: the gathering is what the test checks
     alone = image_stats(images[0], InceptionFeatures())
     assert frechet_distance(alone, load_stats(stats_file(key, tmp_path / "stats"), key)) != pytest.approx(fid, rel=1e-3)
+
+
+class SaveRankState(pl.Callback):
+    """Every process writes its parameters at the start and the end of training to
+    ``<default_root_dir>/rank<r>_{start,end}.pt``."""
+
+    def _save(self, trainer, module, when):
+        state = {k: v.detach().clone() for k, v in module.named_parameters()}
+        torch.save(state, f"{trainer.default_root_dir}/rank{trainer.global_rank}_{when}.pt")
+
+    def on_train_start(self, trainer, module):
+        self._save(trainer, module, "start")
+
+    def on_train_end(self, trainer, module):
+        self._save(trainer, module, "end")
+
+
+def test_vae_under_ddp_keeps_both_optimisers_in_step_across_processes(tmp_path):
+    # each process sees other images and draws other noise: only averaged gradients keep their weights equal
+    args = ["train.py", "fit", *tiny_args(tmp_path, "configs/vae/deq_mnist.yaml", "vae"), "--trainer.max_steps", "6",
+            "--trainer.devices", "2", "--trainer.strategy", "ddp_find_unused_parameters_true",
+            "--trainer.accelerator", "cpu", f"--trainer.callbacks+={__name__}.SaveRankState"]
+    _run(args)
+    state = {(r, when): torch.load(next((tmp_path / "vae").rglob(f"rank{r}_{when}.pt")))
+             for r in (0, 1) for when in ("start", "end")}
+    assert torch.load(tmp_path / "vae" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 6
+    for key in state[0, "end"]:
+        assert torch.equal(state[0, "start"][key], state[1, "start"][key]), key
+        assert torch.allclose(state[0, "end"][key], state[1, "end"][key], rtol=1e-5, atol=1e-6), key
+    moved = {k for k in state[0, "end"] if not torch.equal(state[0, "end"][k], state[0, "start"][k])}
+    assert any(k.startswith("net.score.") for k in moved) and any(k.startswith("net.encoder.") for k in moved)
+    assert any(k.startswith("net.decoder.") for k in moved)
+
+
+def test_vae_under_plain_ddp_is_a_usage_error(tmp_path):
+    args = ["train.py", "fit", *tiny_args(tmp_path, "configs/vae/explicit_mnist.yaml", "vae"), "--trainer.max_steps",
+            "3", "--trainer.devices", "1", "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "ddp_find_unused_parameters_true" in proc.stderr and "Traceback" not in proc.stderr

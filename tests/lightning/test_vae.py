@@ -1,0 +1,120 @@
+"""The VAE family in training: two optimisers, each touching only its own network; AIS at test time; the FID of
+decoder samples from the callback and from sample.py."""
+
+import json
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+
+import sample
+from deqscore.errors import ConfigError
+from deqscore.lightning import VAEModule, load_module
+from deqscore.lightning.callbacks import read_metrics_csv
+from deqscore.lightning.cli import main
+from deqscore.metrics.fid import InceptionFeatures, frechet_distance, image_stats, load_stats, stats_file
+from deqscore.models import ImplicitVAE
+
+from .conftest import tiny_args
+
+
+class StepRecorder(pl.Callback):
+    """Parameters and gradients before every optimiser step, and the parameters at each batch's end."""
+
+    def __init__(self):
+        self.events = []  # (optimiser index or "end", {name: parameter}, {name: gradient or None})
+
+    def _snapshot(self, module):
+        params = {n: p.detach().clone() for n, p in module.named_parameters()}
+        grads = {n: None if p.grad is None else p.grad.clone() for n, p in module.named_parameters()}
+        return params, grads
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        index = next(i for i, o in enumerate(trainer.optimizers) if o is optimizer)
+        self.events.append((index, *self._snapshot(module)))
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.events.append(("end", *self._snapshot(module)))
+
+
+@pytest.mark.parametrize("config", ["configs/vae/explicit_mnist.yaml", "configs/vae/deq_mnist.yaml"])
+def test_each_optimiser_updates_only_its_own_network(tmp_path, config):
+    cli = main(["fit", *tiny_args(tmp_path, config, "iso"), "--trainer.max_steps", "6", "--trainer.max_epochs", "1",
+                f"--trainer.callbacks+={__name__}.StepRecorder", "--model.init_args.score_updates", "2"])
+    recorder = next(c for c in cli.trainer.callbacks if isinstance(c, StepRecorder))
+    module = cli.model
+    score = {f"net.score.{n}" for n, _ in module.net.score.named_parameters()}
+    ae = {n for n, _ in module.named_parameters()} - score
+    ae_opt, score_opt = cli.trainer.optimizers
+    # optimiser states hold only their own parameters
+    names = {p: n for n, p in module.named_parameters()}
+    assert {names[p] for p in ae_opt.state} == ae and {names[p] for p in score_opt.state} == score
+    # per batch: score step, score step, encoder/decoder step (global_step counts all three)
+    assert [e[0] for e in recorder.events] == [1, 1, 0, "end"] * 2 and cli.trainer.global_step == 6
+    same = lambda g, h: (g is None and h is None) or (g is not None and h is not None and torch.equal(g, h))  # noqa: E731
+    events = [(None, None, dict.fromkeys(ae | score)), *recorder.events]  # no gradients before the first step
+    for prev, (index, before, grads), (_, after, _) in zip(events, events[1:], events[2:], strict=False):
+        if index == "end":
+            continue
+        own, other = (score, ae) if index == 1 else (ae, score)
+        # this optimiser's step changed its own parameters only
+        changed = {n for n in before if not torch.equal(before[n], after[n])}
+        assert changed and changed <= own, (index, changed - own)
+        # this optimiser's loss wrote no gradient into the other network: those are as the other's last step left them
+        assert all(same(prev[2][n], grads[n]) for n in other), index
+
+
+def test_test_stage_logs_the_ais_log_likelihood(tmp_path):
+    cli = main(["fit", *tiny_args(tmp_path, "configs/vae/explicit_mnist.yaml", "ais"), "--trainer.max_steps", "3",
+                "--trainer.max_epochs", "1"])
+    cli.trainer.test(cli.model, datamodule=cli.datamodule, verbose=False)
+    metrics = cli.trainer.callback_metrics
+    # a log-likelihood of binarised 784-pixel images is a negative number of nats, bounded by 784 log 2 per image
+    assert -784 * 2 * torch.log(torch.tensor(2.0)) < metrics["test/ais_log_likelihood"] < 0
+    assert torch.isfinite(metrics["test/score_ssm"]) and torch.isfinite(metrics["test/loss"])
+
+
+def test_binarisation_is_dynamic_and_rgb_pixels_are_dequantised():
+    vae = ImplicitVAE(dim=784, z_dim=2, eps_dim=2, hidden=8, score="explicit")
+    module = VAEModule(vae)
+    x = torch.full((2000, 784), 0.3)
+    torch.manual_seed(0)
+    a, b = module.prepare(x), module.prepare(x)
+    assert set(a.unique().tolist()) == {0.0, 1.0} and not torch.equal(a, b)
+    assert abs(a.mean().item() - 0.3) < 0.005  # P(pixel = 1) = its grey level
+    conv = VAEModule(ImplicitVAE(dim=3 * 32 * 32, channels=3, arch="conv", z_dim=2, eps_dim=2, nef=4,
+                                 score="explicit"))
+    assert conv.binarize is False
+    y = torch.full((4, 3 * 32 * 32), 128 / 255)
+    noise = conv.prepare(y) - y
+    assert noise.abs().max() <= 0.5 / 256 + 1e-7 and noise.std() > 0.5 / 256 / 3  # U(-1/2, 1/2) / 256
+
+
+def test_ais_is_refused_for_the_gaussian_decoder():
+    with pytest.raises(ConfigError, match="ais_batches"):
+        VAEModule(ImplicitVAE(dim=3 * 32 * 32, channels=3, arch="conv", nef=4), ais_batches=1)
+
+
+def test_fid_of_decoder_samples_during_training_and_from_sample_script(tmp_path):
+    n, reference = 6, 10
+    key = {"dataset": "mnist", "split": "train", "resolution": "28x28", "count": reference}
+    main(["fit", *tiny_args(tmp_path, "configs/vae/explicit_mnist.yaml", "fid"), "--trainer.max_epochs", "1",
+          "--trainer.callbacks+=deqscore.lightning.FIDCallback",
+          "--trainer.callbacks.num_samples", str(n), "--trainer.callbacks.reference_images", str(reference),
+          "--trainer.callbacks.stats_root", str(tmp_path / "stats")])
+    logged = read_metrics_csv(tmp_path / "fid" / "metrics.csv")["val/fid"][-1][1]
+    ckpt = tmp_path / "fid" / "checkpoints" / "last.ckpt"
+    module = load_module(ckpt).eval()
+    torch.manual_seed(0)  # the callback's seed at epoch 0 on process 0
+    reference_stats = load_stats(stats_file(key, tmp_path / "stats"), key)
+    recomputed = frechet_distance(image_stats(module.sample_images(n), InceptionFeatures()), reference_stats)
+    assert recomputed == pytest.approx(logged, rel=1e-4)
+    sample.main(["--checkpoint", str(ckpt), "--num-samples", str(n), "--out", str(tmp_path / "s"), "--fid",
+                 "--stats-root", str(tmp_path / "stats"), "--reference-images", str(reference)])
+    report = json.loads((tmp_path / "s" / "fid.json").read_text())
+    with np.load(tmp_path / "s" / "samples.npz") as data:
+        images = torch.from_numpy(data["samples"])
+    assert images.shape == (n, 1, 28, 28) and report["num_samples"] == n
+    assert report["fid"] == pytest.approx(frechet_distance(image_stats(images, InceptionFeatures()), reference_stats),
+                                          rel=1e-6)
