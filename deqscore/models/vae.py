@@ -163,9 +163,10 @@ class ConvDEQScoreMap(nn.Module):
 
 
 class ConvScore(nn.Module):
-    """``s(x, z)``: z as an extra ``side x side`` channel (FC, BN, SP); explicit: stride-2 convolutions to 4x4,
-    FC 512, Linear z; DEQ: ``u = SP(conv(x, z-map))``, the fixed point of :class:`ConvDEQScoreMap` at full
-    resolution, a residual ``SP(conv h) + h``, then the stride-2 convolutions from nef channels."""
+    """``s(x, z)``: z as an extra ``side x side`` channel (FC, BN, SP); explicit: stride-2 convolutions with
+    nef * (1, 2, 4, ...) channels to 4x4, FC 512, Linear z; DEQ: ``u = SP(conv(x, z-map))``, the fixed point of
+    :class:`ConvDEQScoreMap` at full resolution, a residual ``SP(conv h) + h``, then three stride-2 convolutions
+    with 2nef, 4nef, 8nef channels (to side / 8), FC 512, Linear z."""
 
     def __init__(self, channels: int, side: int, z_dim: int, nef: int, kind: str, deq: DEQFactory,
                  norm_scale: float):
@@ -178,9 +179,11 @@ class ConvScore(nn.Module):
             self.inject = _conv(channels + 1, nef, stride=1)
             self.deq = deq(ConvDEQScoreMap(nef, norm_scale))
             self.refine = _conv(nef, nef, stride=1)
-            widths = [nef * 2**i for i in range(n + 1)]
+            widths = [nef * 2**i for i in range(4)]
+        out_side = side // 2 ** (len(widths) - 1)
         self.convs = _down_stack(widths, nn.Softplus)
-        self.head = nn.Sequential(nn.Flatten(), nn.Linear(widths[-1] * 16, 512), nn.Softplus(), nn.Linear(512, z_dim))
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(widths[-1] * out_side**2, 512), nn.Softplus(),
+                                  nn.Linear(512, z_dim))
 
     def forward(self, x: Tensor, z: Tensor) -> Tensor:
         h = torch.cat([x, self.z_map(z).view(-1, 1, self.side, self.side)], 1)

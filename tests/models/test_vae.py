@@ -175,3 +175,18 @@ def test_bad_options_are_config_errors():
         ImplicitVAE(dim=4, score="deq", deq=lambda f: DEQ(f, backward="ift"))
     with pytest.raises(ValueError, match="784 values each"):
         ImplicitVAE(dim=784, hidden=8).surrogate(torch.rand(2, 10))
+
+
+@pytest.mark.parametrize(("side", "score", "convs", "out_side"), [(64, "explicit", 4, 4), (64, "deq", 3, 8),
+                                                                   (32, "explicit", 3, 4), (32, "deq", 3, 4)])
+def test_conv_score_networks_downsample_as_documented(side, score, convs, out_side):
+    # explicit: stride-2 convolutions nef * (1, 2, 4, ...) to 4x4; DEQ: full-resolution fixed point, then three
+    # stride-2 convolutions 2nef, 4nef, 8nef (docs/method.md 4.3)
+    nef = 4
+    vae = ImplicitVAE(dim=3 * side * side, channels=3, arch="conv", z_dim=2, eps_dim=2, nef=nef, score=score)
+    strided = [m for m in vae.score.convs if isinstance(m, nn.Conv2d)]
+    assert len(strided) == convs and all(m.stride == (2, 2) for m in strided)
+    assert strided[-1].out_channels == nef * 2 ** (convs - 1 if score == "explicit" else 3)
+    assert vae.score.head[1].in_features == strided[-1].out_channels * out_side**2
+    x = torch.rand(2, 3 * side * side)
+    assert vae.score(vae.net_input(x), torch.randn(2, 2)).shape == (2, 2)
