@@ -19,7 +19,7 @@ from ..losses import annealed_dsm, annealed_ssm_vr, noise_schedule
 from ..metrics import parameter_count
 from ..models import NCSN
 from .measure import log, measure_step, timed
-from .report import Column, Table
+from .report import Column, Table, ratio_cells
 from .settings import Settings
 
 # label, body, DEQ backward (None: explicit)
@@ -62,8 +62,7 @@ def _ratio_rows(rows: list[dict], loss: str) -> list[dict]:
     out = []
     for r in rows:
         if r["loss"] == loss and r is not ref:
-            ratio = {k: f"{r[k] / ref[k]:.3f}x" if r.get(k) and ref.get(k) else None
-                     for k in ("params", "act_mib", "peak_mib", "time_ms")}
+            ratio = ratio_cells(r, ref, ("params", "act_mib", "peak_mib", "time_ms"))
             out.append({"model": f"ratio {r['model']} / NCSNv2", "loss": loss, **ratio})
     return out
 

@@ -38,6 +38,11 @@ class Table:
         }
 
 
+def ratio_cells(row: dict, ref: dict, keys: tuple[str, ...]) -> dict[str, str | None]:
+    """``row[k] / ref[k]`` as ``"0.123x"`` for each key, None where either figure is missing or zero."""
+    return {k: f"{row[k] / ref[k]:.3f}x" if row.get(k) and ref.get(k) else None for k in keys}
+
+
 def fmt_value(value: object, spec: str = "") -> str:
     """Cell text: ``-`` for missing, yes/no for booleans, ``spec`` for numbers."""
     if value is None:

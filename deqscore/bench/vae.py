@@ -17,7 +17,7 @@ from ..deq import DEQ
 from ..metrics import parameter_count
 from ..models import ImplicitVAE
 from .measure import log, measure_step, timed
-from .report import Column, Table
+from .report import Column, Table, ratio_cells
 from .settings import Settings
 
 KINDS = ("explicit", "deq")
@@ -38,17 +38,17 @@ def build_vae(s: Settings, arch: str, score: str) -> ImplicitVAE:
                        score=score, deq=deq, norm_scale=10.0)
 
 
-def _inputs(s: Settings, arch: str, device: torch.device) -> torch.Tensor:
-    """Seeded random data of the architecture's shape: binary pixels (MLP) or grey levels in [0, 1] (conv)."""
+def _inputs(s: Settings, vae: ImplicitVAE, device: torch.device) -> torch.Tensor:
+    """Seeded random data of the VAE's shape: binary pixels (MLP) or grey levels in [0, 1] (conv)."""
     gen = torch.Generator().manual_seed(s.seed)
-    dim = 784 if arch == "mlp" else 3 * s.vae_side**2
-    x = torch.rand(s.vae_batch if arch == "mlp" else s.vae_conv_batch, dim, generator=gen)
-    return (x.bernoulli(generator=gen) if arch == "mlp" else x).to(device)
+    mlp = vae.arch == "mlp"
+    x = torch.rand(s.vae_batch if mlp else s.vae_conv_batch, vae.dim, generator=gen)
+    return (x.bernoulli(generator=gen) if mlp else x).to(device)
 
 
 def _row(s: Settings, arch: str, score: str, device: torch.device) -> dict:
     vae = build_vae(s, arch, score).to(device)
-    x = _inputs(s, arch, device)
+    x = _inputs(s, vae, device)
 
     def score_step() -> None:
         torch.manual_seed(s.seed)  # the same encoder noise and projections in every timed step
@@ -72,8 +72,7 @@ def _row(s: Settings, arch: str, score: str, device: torch.device) -> dict:
 
 def _ratio(explicit: dict, deq: dict, arch: str) -> dict:
     keys = ("score_params", "params", "act_mib", "peak_mib", "time_ms", "iteration_ms")
-    ratio = {k: f"{deq[k] / explicit[k]:.3f}x" if deq.get(k) and explicit.get(k) else None for k in keys}
-    return {"model": f"ratio DEQ / explicit, {arch}", **ratio}
+    return {"model": f"ratio DEQ / explicit, {arch}", **ratio_cells(deq, explicit, keys)}
 
 
 def vae(s: Settings, device: torch.device) -> Table:

@@ -137,8 +137,14 @@ class ScoreModule(pl.LightningModule):
         """The data module of the attached trainer, or None (a module used on its own)."""
         return getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
 
+    def check_run(self, trainer: pl.Trainer, datamodule: Any) -> None:
+        """Raise ConfigError if this module cannot run with ``trainer`` and ``datamodule`` (e.g. an unsuitable
+        strategy or data transform). The CLI calls it, and every callback's ``check_run``, before anything is
+        written; ``setup`` calls it again for trainers built in Python."""
+
     def setup(self, stage: str) -> None:
         datamodule = self.datamodule()
+        self.check_run(self.trainer, datamodule)
         codec = getattr(datamodule, "codec", None)
         if codec is not None:  # remembered in checkpoints, so samples can be drawn without the data
             self.image_codec = codec

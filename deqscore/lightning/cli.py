@@ -157,6 +157,9 @@ class DeqscoreCLI(LightningCLI):
         self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         if os.environ.get("LOCAL_RANK", "0") != "0":  # DDP workers: rank zero holds the directory
             return super()._run_subcommand(subcommand)
+        for part in (self.model, *self.trainer.callbacks):  # refusals that would otherwise come at setup
+            if hasattr(part, "check_run"):
+                part.check_run(self.trainer, self.datamodule)
         with RunLock(run_dir):
             if subcommand == "fit":
                 self.trainer.callbacks.append(SaveOnInterrupt())

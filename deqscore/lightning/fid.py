@@ -84,13 +84,18 @@ class FIDCallback(pl.Callback):
         self._reference: GaussianStats | None = None  # read (or computed) once per run, not at every evaluation
 
     # ----- checks and state -------------------------------------------------------------------------------
-    def setup(self, trainer: pl.Trainer, module: pl.LightningModule, stage: str) -> None:
+    def check_run(self, trainer: pl.Trainer, datamodule: Any) -> None:
+        """ConfigError unless the averaged weights are in place when FID is computed (the CLI calls this before
+        anything is written; ``setup`` again, for trainers built in Python)."""
         callbacks = trainer.callbacks
         mine = callbacks.index(self)
         late = [type(c).__name__ for c in callbacks[mine + 1 :] if isinstance(c, WeightAveraging)]
         if late:
             raise ConfigError(f"trainer.callbacks: list FIDCallback after {late[0]}: FID is computed at the start of "
                               "validation, once the averaged weights are swapped in")
+
+    def setup(self, trainer: pl.Trainer, module: pl.LightningModule, stage: str) -> None:
+        self.check_run(trainer, trainer.datamodule)
 
     def state_dict(self) -> dict[str, Any]:
         return {"best_fid": self.best_fid}

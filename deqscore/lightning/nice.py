@@ -19,10 +19,12 @@ Config (the network's and the DEQ layer's options are those of :class:`deqscore.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
+import pytorch_lightning as pl
 import torch
 
+from ..data.transforms import TRANSFORMS
 from ..deq import deq_backward
 from ..errors import ConfigError
 from ..losses import ScoreLoss, build_loss, exact_score_matching, loss_names, score_from_log_prob
@@ -59,12 +61,12 @@ class NICEModule(ScoreModule):
         self.refuse_ift(self.loss.input_derivatives + 1 if isinstance(self.loss, ScoreLoss) else 0, self.loss)
         self.exact_sm_batches, self.exact_sm_samples = exact_sm_batches, exact_sm_samples
 
-    def setup(self, stage: str) -> None:
-        super().setup(stage)
-        transform = getattr(self.datamodule(), "transform", None)
-        if transform == "pixels":  # a density needs dequantised data (a point mass at k/255 has no density)
+    def check_run(self, trainer: pl.Trainer, datamodule: Any) -> None:
+        # a density needs dequantised data (a point mass at k/255 has no density)
+        if getattr(datamodule, "transform", None) == "pixels":
+            accepted = ", ".join(repr(t) for t in TRANSFORMS if t != "pixels")
             raise ConfigError("data.init_args.transform: NICE models the density of dequantised images; 'pixels' is "
-                              "not accepted\n  accepted: 'logit', 'unit', 'logit_squeeze'")
+                              f"not accepted\n  accepted: {accepted}")
 
     def score(self, x: torch.Tensor) -> torch.Tensor:
         """Model score ``grad_x log p(x)`` (x must require grad)."""

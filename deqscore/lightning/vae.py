@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytorch_lightning as pl
 import torch
 from pytorch_lightning.cli import OptimizerCallable
 from pytorch_lightning.strategies import DDPStrategy
@@ -75,9 +76,8 @@ class VAEModule(ScoreModule):
         self.ais_batches = ais_batches
         self.automatic_optimization = False
 
-    def setup(self, stage: str) -> None:
-        super().setup(stage)
-        strategy = self.trainer.strategy
+    def check_run(self, trainer: pl.Trainer, datamodule: Any) -> None:
+        strategy = trainer.strategy
         # Each optimiser's loss leaves the other network out of its graph: DDP must be told to expect that (with it,
         # every manual backward re-arms the gradient averaging for the parameters it reaches).
         if isinstance(strategy, DDPStrategy) and not getattr(strategy, "_ddp_kwargs", {}).get("find_unused_parameters"):

@@ -289,4 +289,6 @@ def test_nice_on_undequantised_pixels_is_a_usage_error(tmp_path, capsys):
     assert run(["fit", *tiny_args(tmp_path), "--data.init_args.transform", "pixels"]) == 2
     err = capsys.readouterr().err
     assert "data.init_args.transform: NICE models the density of dequantised images" in err
+    assert "accepted: 'logit', 'unit', 'logit_squeeze'" in err
     assert "Traceback" not in err
+    assert not (tmp_path / "t").exists()  # refused before anything is written

@@ -13,10 +13,10 @@ from .conftest import ROOT, tiny_args
 WORKER = ROOT / "tests" / "lightning" / "ddp_worker.py"
 
 
-def _run(args, cwd=ROOT):
+def _run(args, cwd=ROOT, returncode=0):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == returncode, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
 
@@ -107,7 +107,6 @@ def test_vae_under_ddp_keeps_both_optimisers_in_step_across_processes(tmp_path):
 def test_vae_under_plain_ddp_is_a_usage_error(tmp_path):
     args = ["train.py", "fit", *tiny_args(tmp_path, "configs/vae/explicit_mnist.yaml", "vae"), "--trainer.max_steps",
             "3", "--trainer.devices", "1", "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 2, proc.stderr[-3000:]
+    proc = _run(args, returncode=2)
     assert "ddp_find_unused_parameters_true" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "vae").exists()  # refused before anything is written

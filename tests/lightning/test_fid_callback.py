@@ -74,6 +74,7 @@ def test_fid_callback_listed_before_the_averaging_is_refused(tmp_path, capsys):
     path.write_text(yaml.safe_dump(config))
     assert run(["fit", *args[:1], str(path), *args[2:], "--trainer.max_epochs", "1"]) == 2
     assert "list FIDCallback after EMAWeightAveraging" in capsys.readouterr().err
+    assert not (tmp_path / "order").exists()  # refused before anything is written
 
 
 def test_processes_share_the_samples_exactly():
