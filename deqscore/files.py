@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,13 +20,23 @@ from pathlib import Path
 @contextmanager
 def staged(finals: Sequence[Path]) -> Iterator[list[Path]]:
     """Temporary names next to ``finals`` (same folder and suffix: the rename is atomic and writers that add a
-    suffix keep it), renamed onto them when the block completes and removed otherwise."""
-    temps = [f.with_name(f".{f.stem}.partial.{os.getpid()}{f.suffix}") for f in finals]
+    suffix keep it), renamed onto them when the block completes and removed otherwise. A temporary name may be
+    written as a file or as a folder (a folder replaces only an absent or empty final folder)."""
+    temps = [Path(f).with_name(f".{Path(f).stem}.partial.{os.getpid()}{Path(f).suffix}") for f in finals]
+    for temp in temps:  # left by an earlier process of the same id
+        _remove(temp)
     try:
         yield temps
     except BaseException:
         for temp in temps:
-            temp.unlink(missing_ok=True)
+            _remove(temp)
         raise
     for temp, final in zip(temps, finals, strict=True):
         os.replace(temp, final)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

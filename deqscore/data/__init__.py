@@ -14,6 +14,7 @@ from deqscore.data.datasets import ArrayImageDataset, EpochShuffleSampler, Prepr
 from deqscore.data.errors import CorruptDataError, DataNotFoundError
 from deqscore.data.lmdb_cache import LMDBImageDataset, build_lmdb_cache, lmdb_cache_info
 from deqscore.data.mnist import MNISTDataModule, clear_mnist_cache, find_pureml_mnist, load_mnist
+from deqscore.data.protocol import DensityData, EpochData, ImageData, PointData, ScoreData
 from deqscore.data.transforms import (
     DEFAULT_ALPHA,
     TRANSFORMS,
@@ -33,6 +34,11 @@ from deqscore.data.uci import UCIDataModule
 from deqscore.data.zarr import read_zarr_zip_array
 
 __all__ = [
+    "DensityData",
+    "EpochData",
+    "ImageData",
+    "PointData",
+    "ScoreData",
     "DEFAULT_ALPHA",
     "TRANSFORMS",
     "ArrayImageDataset",

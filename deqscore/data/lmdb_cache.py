@@ -57,6 +57,7 @@ import torch
 from torch.utils.data import Dataset
 
 from deqscore.data.errors import CorruptDataError
+from deqscore.files import staged
 
 __all__ = ["LMDBImageDataset", "build_lmdb_cache", "lmdb_cache_info"]
 
@@ -488,20 +489,13 @@ def build_lmdb_cache(
         return path
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    try:
+    with staged([path]) as (tmp,):
         _write(tmp, images, labels, sha1, map_size or _default_map_size(images))
         _close_shared_env(path)
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 

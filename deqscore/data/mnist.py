@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import gzip
 import importlib.metadata
-import os
 import shutil
 import site
 import sys
@@ -42,6 +41,7 @@ import numpy as np
 from deqscore.data.base import ImageDataModule
 from deqscore.data.errors import CorruptDataError, DataNotFoundError
 from deqscore.data.zarr import read_zarr_zip_array
+from deqscore.files import staged
 
 __all__ = [
     "MNIST_IMAGE_SHAPE",
@@ -152,13 +152,10 @@ def _from_pureml(pureml_path: str | Path | None, train: bool) -> tuple[np.ndarra
 
 
 def _gunzip(src: Path, dst: Path) -> None:
-    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
     try:
-        with gzip.open(src, "rb") as fin, open(tmp, "wb") as fout:
+        with staged([dst]) as (tmp,), gzip.open(src, "rb") as fin, open(tmp, "wb") as fout:
             shutil.copyfileobj(fin, fout)
-        os.replace(tmp, dst)
     except (OSError, EOFError) as exc:
-        tmp.unlink(missing_ok=True)
         raise CorruptDataError(f"cannot extract {src}: {type(exc).__name__}: {exc}") from exc
 
 

@@ -42,7 +42,6 @@ import csv
 import hashlib
 import io
 import math
-import os
 import shutil
 import urllib.request
 import warnings
@@ -58,6 +57,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from deqscore.data.datasets import epoch_loader
 from deqscore.data.errors import CorruptDataError, DataNotFoundError
 from deqscore.errors import ConfigError, check_count, choice_error
+from deqscore.files import staged
 
 __all__ = [
     "DATASETS",
@@ -188,14 +188,8 @@ def download_file(url: str, dest: str | Path, timeout: float = DOWNLOAD_TIMEOUT_
     interrupted download leaves nothing behind). Network errors propagate (``OSError``/``URLError``)."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-    try:
-        with _open_url(url, timeout) as response, open(tmp, "wb") as out:
-            shutil.copyfileobj(response, out)
-        os.replace(tmp, dest)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with staged([dest]) as (tmp,), _open_url(url, timeout) as response, open(tmp, "wb") as out:
+        shutil.copyfileobj(response, out)
 
 
 # -- pre-processing ----------------------------------------------------------------------------------------

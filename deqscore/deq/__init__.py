@@ -1,6 +1,14 @@
 """DEQ engine: solvers, the DEQ layer and contraction helpers."""
 
-from .layer import BACKWARD_MODES, DEQ, DEQConvergenceWarning, SecondOrderIFTError, deq_backward
+from .layer import (
+    BACKWARD_MODES,
+    DEQ,
+    DEQConvergenceWarning,
+    DEQFactory,
+    SecondOrderIFTError,
+    deq_backward,
+    require_backward,
+)
 from .norm import FrobeniusScale, frobenius_scale, spectral_normalize
 from .solvers import (
     NonFiniteIterateError,
@@ -14,6 +22,7 @@ __all__ = [
     "BACKWARD_MODES",
     "DEQ",
     "DEQConvergenceWarning",
+    "DEQFactory",
     "FrobeniusScale",
     "NonFiniteIterateError",
     "SecondOrderIFTError",
@@ -23,5 +32,6 @@ __all__ = [
     "frobenius_scale",
     "get_solver",
     "register_solver",
+    "require_backward",
     "spectral_normalize",
 ]

@@ -31,17 +31,20 @@ records depends on ``backward``:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Literal
 
 import torch
 from torch import nn
 
-from ..errors import check_count, check_real, choice_error
+from ..errors import ConfigError, check_count, check_real, choice_error
 from .solvers import Solver, SolverStats, check_stopping, get_solver, picard
 
 BACKWARD_MODES = ("phantom", "unroll", "ift")
+# The highest order of derivative through the layer that each backward mode gives correctly (None: any order).
+# IFT's backward hook records no graph, so a gradient of a gradient through it is silently wrong.
+MAX_DERIVATIVE_ORDER: dict[str, int | None] = {"phantom": None, "unroll": None, "ift": 1}
 
 
 def _check_backward(backward: str) -> None:
@@ -230,6 +233,40 @@ class DEQ(nn.Module):
         out = fz.view_as(fz)
         out.register_hook(implicit_grad)
         return out
+
+
+DEQFactory = Callable[[nn.Module], DEQ]  # DEQ options bound (a config's ``deq:``), the fixed-point map still to come
+
+
+def require_backward(module: nn.Module, order: int, user: str) -> None:
+    """Raise :class:`~deqscore.errors.ConfigError` if a DEQ layer inside ``module`` uses a backward mode that
+    cannot give derivatives of ``order`` through it (1: a parameter gradient; 2: a parameter gradient of an input
+    derivative, as every score-matching loss of an energy takes). ``user`` names what asks (a loss, a model).
+
+    This is the one place that decides which backward modes a model may use; a wrong choice would otherwise give
+    silently wrong gradients.
+
+    >>> from torch import nn
+    >>> class Map(nn.Module):
+    ...     def forward(self, z, u):
+    ...         return 0.5 * z + u
+    >>> require_backward(DEQ(Map(), backward="ift"), order=1, user="loss 'dsm'")  # first order: fine
+    >>> require_backward(DEQ(Map(), backward="ift"), order=2, user="loss 'ssm'")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    deqscore.errors.ConfigError: DEQ backward='ift' cannot be used with loss 'ssm': ... 'phantom', 'unroll'
+    """
+    for layer in module.modules():
+        if not isinstance(layer, DEQ):
+            continue
+        limit = MAX_DERIVATIVE_ORDER[layer.backward]
+        if limit is not None and order > limit:
+            accepted = ", ".join(repr(m) for m, cap in MAX_DERIVATIVE_ORDER.items() if cap is None or cap >= order)
+            raise ConfigError(
+                f"DEQ backward={layer.backward!r} cannot be used with {user}: it differentiates through the DEQ "
+                f"{order} times, {layer.backward!r} gives correct derivatives of order {limit} only "
+                f"(docs/method.md section 2.5); accepted backward: {accepted}"
+            )
 
 
 @contextmanager

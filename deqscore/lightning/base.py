@@ -1,39 +1,52 @@
-"""Shared LightningModule for every model family.
+"""Shared LightningModule for every model family: the family contract.
 
-A family subclass takes its plain ``nn.Module`` network from the config (``model.init_args.net``, declared
-with its own options in ``deqscore/models/``), builds its loss objects and implements
+A family subclass sets ``family``, takes its plain ``nn.Module`` network from the config (``model.init_args.net``,
+declared with its own options in ``deqscore/models/``) and implements
 
 * :meth:`ScoreModule.compute_loss`: the per-sample training loss ``[B]``, or a dict of named per-sample terms
   whose ``"loss"`` entry is the objective (every term is logged);
-* :meth:`ScoreModule.eval_metrics`: extra validation/test numbers;
 * :meth:`ScoreModule.sample`: ``n`` samples in model space (``sample_images`` maps them to images through the
-  data module's transform, remembered in checkpoints).
+  data module's transform, remembered in checkpoints);
 
-The base class provides one ``model_step`` shared by train/val/test, DEQ solver statistics, the parameter count
-and activation memory, NaN guards, the hyper-parameters a checkpoint needs to rebuild the module, and a family
-tag in checkpoints. Optimisers come from LightningCLI's ``optimizer:``/``lr_scheduler:`` keys; a family with
-several optimisers overrides :meth:`configure_optimizers` (and ``training_step``, with manual optimisation).
+and, where it needs them,
+
+* :meth:`ScoreModule.eval_metrics`: extra validation/test numbers;
+* :meth:`ScoreModule.prepare_batch`: per-step randomness of the inputs (binarisation, dequantisation);
+* :meth:`ScoreModule.check_run`: refusals that depend on the trainer or the data (called before anything is
+  written);
+* several optimisers: :meth:`configure_optimizers` returns a list and :meth:`optimizer_steps` yields, per
+  training batch, ``(optimiser index, term name, loss)`` in the order they are stepped (manual optimisation,
+  done by the base);
+* ``closing_stage(datamodule)``: a stage after fit, on the best weights, saved as ``checkpoints/final.ckpt``
+  (the :class:`~deqscore.lightning.run_hooks.ClosingStage` callback).
+
+The base provides one ``model_step`` shared by train/val/test, DEQ solver statistics, NaN guards, the
+hyper-parameters a checkpoint needs to rebuild the module, and a family tag in checkpoints; its own callbacks
+(:mod:`deqscore.lightning.run_hooks`) seed every step, fix resumes, log the run's facts and run the closing stage.
+Optimisers come from LightningCLI's ``optimizer:``/``lr_scheduler:`` keys (a family with several optimisers
+declares them in its own signature).
 
 Score matching needs input gradients in validation and test too, so every step runs under
 ``torch.enable_grad()``; trainers must be built with ``inference_mode=False`` (inference mode cannot be
-undone by ``enable_grad``), which the CLI and the configs set.
+undone by ``enable_grad``), which the CLI sets.
 """
 
 from __future__ import annotations
 
 import inspect
-import os
+from collections import defaultdict
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.utilities import rank_zero_info
 
+from ..data.protocol import ImageData
 from ..data.transforms import ImageCodec
 from ..deq import DEQ
 from ..errors import ConfigError
 from ..losses import Loss
-from ..metrics import SavedTensorMeter, parameter_count
+from .run_hooks import ClosingStage, ResumeFixes, RunFacts, StepSeeding, batch_inputs
 
 FAMILY_KEY = "deqscore_family"
 CODEC_KEY = "deqscore_image_codec"
@@ -48,32 +61,6 @@ class NonFiniteLossError(FloatingPointError):
 
 class CheckpointFamilyError(ValueError):
     """A checkpoint of one model family was loaded into another."""
-
-
-def _inputs(batch: Any) -> torch.Tensor:
-    """The model input of a batch: ``x`` or the first element of ``(x, label, ...)``."""
-    return batch[0] if isinstance(batch, list | tuple) else batch
-
-
-def complete_finished_epoch(checkpoint: dict[str, Any]) -> bool:
-    """Mark an epoch whose batches all ran (saved from its end hooks) as completed in ``checkpoint``'s loop state.
-
-    Lightning 2.6 resumes such a checkpoint of a run with ``max_steps`` set by replaying the epoch's end: its
-    hooks run a second time, the epoch is counted twice (a resumed ``max_epochs: 2`` run stops at once) and the
-    data order of every later epoch shifts. Without ``max_steps`` it marks the epoch completed and goes on; this
-    gives both kinds of run that behaviour (with :meth:`ScoreModule.on_train_epoch_start`, which starts the next
-    epoch afresh rather than as a restart). True if the checkpoint was such a one.
-    """
-    fit_loop = checkpoint.get("loops", {}).get("fit_loop")
-    if not fit_loop or not fit_loop.get("epoch_loop.batch_progress", {}).get("is_last_batch"):
-        return False
-    progress = fit_loop["epoch_progress"]
-    trackers = (progress["total"], progress["current"])
-    if not all(t["ready"] == t["started"] == t["processed"] == t["completed"] + 1 for t in trackers):
-        return False
-    for tracker in trackers:
-        tracker["completed"] = tracker["processed"]
-    return True
 
 
 def family_registry() -> dict[str, type[ScoreModule]]:
@@ -113,8 +100,6 @@ class ScoreModule(pl.LightningModule):
                 self.hparams[key] = value.config()
             elif not _plain(value):
                 del self.hparams[key]
-        self._run_facts_logged = False
-        self._resumed_after_epoch = False  # see complete_finished_epoch
         self.image_codec: ImageCodec | None = None
         # the image data module's class and data folder: where FID reference images come from after training
         self.data_source: dict[str, str] | None = None
@@ -132,6 +117,20 @@ class ScoreModule(pl.LightningModule):
         """``n`` samples from the model, in the model's (data module's transformed) space."""
         raise NotImplementedError(f"the {self.family!r} family does not draw samples")
 
+    def prepare_batch(self, x: torch.Tensor) -> torch.Tensor:
+        """The inputs of one step from a batch's ``x`` (e.g. binarised afresh; the global RNG is seeded per step)."""
+        return x
+
+    def optimizer_steps(self, x: torch.Tensor) -> Iterator[tuple[int, str, Callable[[], torch.Tensor]]]:
+        """With several optimisers: ``(optimiser index, term name, per-sample loss)`` of one training batch, in the
+        order they are stepped; each loss is computed just before its step (after the previous update)."""
+        raise NotImplementedError(f"{type(self).__name__} has several optimisers: implement optimizer_steps")
+
+    closing_stage: Callable[[Any], None] | None = None  # a stage after fit, see the module docstring
+
+    def configure_callbacks(self) -> list[pl.Callback]:
+        return [StepSeeding(), ResumeFixes(), RunFacts(), ClosingStage()]
+
     # ----- samples as images -------------------------------------------------------------------------
     def datamodule(self) -> Any:
         """The data module of the attached trainer, or None (a module used on its own)."""
@@ -145,12 +144,11 @@ class ScoreModule(pl.LightningModule):
     def setup(self, stage: str) -> None:
         datamodule = self.datamodule()
         self.check_run(self.trainer, datamodule)
-        codec = getattr(datamodule, "codec", None)
-        if codec is not None:  # remembered in checkpoints, so samples can be drawn without the data
-            self.image_codec = codec
+        if isinstance(datamodule, ImageData):  # remembered in checkpoints, so samples can be drawn without the data
+            self.image_codec = datamodule.codec
             kind = type(datamodule)
             self.data_source = {"class_path": f"{kind.__module__}.{kind.__qualname__}",
-                                "data_dir": str(getattr(datamodule, "data_dir", "datasets"))}
+                                "data_dir": str(datamodule.data_dir)}
 
     @torch.no_grad()
     def sample_images(self, n: int) -> torch.Tensor:
@@ -165,16 +163,6 @@ class ScoreModule(pl.LightningModule):
     # ----- shared machinery --------------------------------------------------------------------------
     def deq_layers(self) -> list[DEQ]:
         return [m for m in self.modules() if isinstance(m, DEQ)]
-
-    def refuse_ift(self, derivatives: int, loss: object) -> None:
-        """Raise if a DEQ layer uses ``backward="ift"`` while the loss differentiates through it ``derivatives``
-        more times than once: the IFT backward would give silently wrong parameter gradients."""
-        if derivatives > 0 and any(d.backward == "ift" for d in self.deq_layers()):
-            raise ConfigError(
-                f"DEQ backward='ift' gives wrong parameter gradients for the loss {loss!r}: it differentiates "
-                "through the DEQ twice (docs/method.md section 2.5); use backward='phantom' or 'unroll', or a "
-                "first-order loss"
-            )
 
     def _deq_stats(self) -> dict[str, float]:
         stats = [d.stats for d in self.deq_layers() if d.stats is not None]
@@ -197,7 +185,7 @@ class ScoreModule(pl.LightningModule):
 
     def model_step(self, batch: Any, stage: str, batch_idx: int = 0) -> torch.Tensor:
         """Loss (and, outside training, metrics) of one batch; logs under ``<stage>/``."""
-        x = _inputs(batch)
+        x = self.prepare_batch(batch_inputs(batch))
         with torch.enable_grad():  # score matching differentiates w.r.t. x, also in validation/test
             terms = self.loss_terms(x)
             loss = terms["loss"]
@@ -223,72 +211,37 @@ class ScoreModule(pl.LightningModule):
             self.log(f"{stage}/{name}", value, prog_bar=name == "loss", on_step=on_step, on_epoch=not on_step,
                      batch_size=batch_size, sync_dist=not on_step)
 
-    def _reseed(self, offset: int) -> None:
-        """Seed the global RNG from (run seed, offset, rank): the random draws of a step (projections, noise)
-        then depend on the step alone, so a resumed run repeats an uninterrupted one exactly."""
-        base = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        torch.manual_seed((base * 1_000_003 + offset * 7919 + self.global_rank) % 2**63)
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        # with gradient accumulation several batches share a global step; each gets its own draws
-        accumulate = self.trainer.accumulate_grad_batches
-        self._reseed(self.global_step * accumulate + batch_idx % accumulate)
-
-    def on_validation_epoch_start(self) -> None:
-        self._reseed(-1)  # the same draws at every validation, so epochs are comparable
-
-    def on_test_epoch_start(self) -> None:
-        self._reseed(-2)
-
-    def on_train_epoch_start(self) -> None:
-        if self._resumed_after_epoch:  # a fresh epoch after a finished one, not the restart of an unfinished one
-            self.trainer.fit_loop.epoch_loop.restarting = False
-            self._resumed_after_epoch = False
-        # data modules with epoch-dependent randomness (dequantisation noise, shuffling) follow the epoch
-        if hasattr(self.datamodule(), "set_epoch"):
-            self.datamodule().set_epoch(self.current_epoch)
-
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        if not self._run_facts_logged:
-            self._log_run_facts(batch)
+        if not self.automatic_optimization:
+            return self._manual_step(batch)
         loss = self.model_step(batch, "train", batch_idx)
         # Parameters that do not affect the score (an energy's output bias, say) get no gradient from a
         # score-matching loss, and DDP's reducer fails on parameters outside the graph. A zero-weighted touch
         # puts them in the graph with an exact zero gradient.
         return loss + 0.0 * sum(p.reshape(-1)[0] for p in self.parameters() if p.requires_grad)
 
+    def _manual_step(self, batch: Any) -> torch.Tensor:
+        """One training batch of a family with several optimisers, stepped in :meth:`optimizer_steps` order; each
+        term is logged as the mean of its steps' losses."""
+        x = self.prepare_batch(batch_inputs(batch))
+        optimizers = self.optimizers()
+        optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+        losses: dict[str, list[torch.Tensor]] = defaultdict(list)
+        for index, name, loss_fn in self.optimizer_steps(x):
+            loss = loss_fn().mean()
+            self.check_finite(loss, "train")
+            optimizers[index].zero_grad()
+            self.manual_backward(loss)
+            optimizers[index].step()
+            losses[name].append(loss.detach())
+        self.log_stage("train", {name: torch.stack(v).mean() for name, v in losses.items()}, batch_size=x.shape[0])
+        return losses["loss"][-1]
+
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self.model_step(batch, "val", batch_idx)
 
     def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self.model_step(batch, "test", batch_idx)
-
-    def _log_run_facts(self, batch: Any) -> None:
-        """Once per run: parameter count and activation memory of one training step (its loss graph)."""
-        x = _inputs(batch)
-        if x.is_cuda:
-            torch.cuda.reset_peak_memory_stats(x.device)
-        # forked RNG and restored buffers (batch-norm statistics): the measurement must not change the step itself,
-        # nor make a resumed run (which measures again) differ from one that ran straight through
-        buffers = {name: b.clone() for name, b in self.named_buffers()}
-        with torch.random.fork_rng(), SavedTensorMeter(exclude=self.parameters()) as meter, torch.enable_grad():
-            self.loss_terms(x)
-        with torch.no_grad():
-            for name, b in self.named_buffers():
-                b.copy_(buffers[name])
-        facts = {"run/parameters": float(parameter_count(self)), "run/activation_memory_mb": meter.bytes / 2**20}
-        if x.is_cuda:
-            facts["run/max_memory_allocated_mb"] = torch.cuda.max_memory_allocated(x.device) / 2**20
-        # the losses with every option resolved (e.g. which DSM weighting), beside the config's short names
-        losses = {k: repr(v) for k, v in vars(self).items() if isinstance(v, Loss)}
-        if self.trainer.is_global_zero:  # logged once, straight to the loggers (not a per-step metric)
-            for name, text in losses.items():
-                rank_zero_info(f"{name}: {text}")
-            for logger in self.loggers:
-                logger.log_metrics(facts, step=self.global_step)
-                if losses:
-                    logger.log_hyperparams({f"resolved_{k}": v for k, v in losses.items()})
-        self._run_facts_logged = True
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         named = [(name, p.grad) for name, p in self.named_parameters() if p.grad is not None]
@@ -326,4 +279,3 @@ class ScoreModule(pl.LightningModule):
             self.image_codec = ImageCodec.from_dict(checkpoint[CODEC_KEY])
         if checkpoint.get(DATA_KEY) is not None:
             self.data_source = dict(checkpoint[DATA_KEY])
-        self._resumed_after_epoch = complete_finished_epoch(checkpoint)

@@ -4,9 +4,12 @@ optimiser options applied over those a resumed checkpoint restored."""
 from __future__ import annotations
 
 import csv
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytorch_lightning as pl
+from pytorch_lightning.callbacks import WeightAveraging
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
 
 from ..sampling import save_image_grid
@@ -21,11 +24,26 @@ def run_dir(trainer: pl.Trainer) -> Path:
     return Path(log_dir or trainer.default_root_dir)
 
 
+@contextmanager
+def averaged_weights(trainer: pl.Trainer, module: pl.LightningModule) -> Iterator[None]:
+    """For the duration, the module holds the weights validation uses: the averaged ones of every weight-averaging
+    callback (EMA), swapped in and back through that callback's own validation hooks."""
+    averaging = [c for c in trainer.callbacks if isinstance(c, WeightAveraging)]
+    for callback in averaging:
+        callback.on_validation_epoch_start(trainer, module)
+    try:
+        yield
+    finally:
+        for callback in reversed(averaging):
+            callback.on_validation_epoch_end(trainer, module)
+
+
 class SampleGrid(pl.Callback):
     """Write a PNG grid of ``n_samples`` model samples every ``every_n_epochs`` epochs and at the end of fit.
 
     Files: ``<run>/samples/epoch_<e>.png`` and ``<run>/samples.png``. Images come from
-    :meth:`ScoreModule.sample_images`, which undoes the data module's transform.
+    :meth:`ScoreModule.sample_images`, which undoes the data module's transform; like validation and the final grid
+    they are drawn from the averaged weights when a weight-averaging callback (EMA) is in use.
     """
 
     def __init__(self, n_samples: int = 64, every_n_epochs: int = 0):
@@ -40,7 +58,8 @@ class SampleGrid(pl.Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
-            self._write(trainer, module, run_dir(trainer) / "samples" / f"epoch_{trainer.current_epoch:04d}.png")
+            with averaged_weights(trainer, module):
+                self._write(trainer, module, run_dir(trainer) / "samples" / f"epoch_{trainer.current_epoch:04d}.png")
 
     def on_fit_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         self._write(trainer, module, run_dir(trainer) / "samples.png")

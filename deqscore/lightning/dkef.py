@@ -3,8 +3,9 @@
 Training is two-stage (Wenliang et al. 2019): each step solves the kernel coefficients alpha in closed form on one
 half of the batch (differentiably) and evaluates the score-matching loss on the other half; after every step the
 stored alpha is refreshed from ``alpha_points`` random training points, and validation scores the model with it.
-At the end of fit the best checkpoint is restored, alpha is solved on the whole training set, ``log_lambda`` alone is
-fine-tuned on validation batches, and the result is saved as ``checkpoints/final.ckpt``.
+The closing stage after fit (:meth:`DKEFModule.closing_stage`, run by the base's ``ClosingStage`` callback on the
+best checkpoint's weights) solves alpha on the whole training set and fine-tunes ``log_lambda`` alone on validation
+batches; the result is saved as ``checkpoints/final.ckpt``.
 
 Validation and test log the loss, the exact score-matching loss (``exact_sm``) and the log-likelihood, with log Z
 estimated by importance sampling (``log_z``, ``log_z_stderr``); on the synthetic ``highdim`` data also the Fisher
@@ -76,8 +77,6 @@ class DKEFModule(ScoreModule):
             check_count(key, value)
         check_count("final_lambda_steps", final_lambda_steps, low=0)
         check_real("final_lambda_lr", final_lambda_lr)
-        # alpha itself takes input derivatives of the kernels, and the loss differentiates the score once more
-        self.refuse_ift(1 + self.loss.input_derivatives, self.loss)
         self.alpha_points, self.log_z_chunk = alpha_points, log_z_chunk
         self.log_z_samples, self.final_log_z_samples = log_z_samples, final_log_z_samples
         self.final_lambda_steps, self.final_lambda_lr = final_lambda_steps, final_lambda_lr
@@ -164,23 +163,8 @@ class DKEFModule(ScoreModule):
         return metrics
 
     # ----- the final stage ------------------------------------------------------------------------------------
-    def on_train_end(self) -> None:
-        """Restore the best checkpoint, solve alpha on the whole training set, fine-tune ``log_lambda`` alone on
-        validation batches and save ``checkpoints/final.ckpt``."""
-        trainer, datamodule = self.trainer, self.datamodule()
-        if datamodule is None or trainer.fast_dev_run:  # a smoke run has no best model to finish
-            return
-        best = getattr(trainer.checkpoint_callback, "best_model_path", "")
-        if best:
-            state = torch.load(best, map_location=self.device, weights_only=True)["state_dict"]
-            self.load_state_dict(state)
-        self._tune_log_lambda(datamodule)
-        if trainer.is_global_zero and trainer.checkpoint_callback is not None:
-            from .callbacks import run_dir
-
-            trainer.save_checkpoint(run_dir(trainer) / "checkpoints" / "final.ckpt")
-
-    def _tune_log_lambda(self, datamodule: Any) -> None:
+    def closing_stage(self, datamodule: Any) -> None:
+        """Solve alpha on the whole training set and fine-tune ``log_lambda`` alone on validation batches."""
         train = datamodule.train_data.to(self.device)
         with torch.random.fork_rng(), torch.enable_grad():  # seeded projections: a reproducible final model
             torch.manual_seed(FINAL_STAGE_SEED)

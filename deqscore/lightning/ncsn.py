@@ -29,6 +29,7 @@ from typing import Literal
 
 import torch
 
+from ..deq import require_backward
 from ..errors import ConfigError
 from ..losses import SCHEDULES, AnnealedLoss, build_loss, loss_names, noise_schedule
 from ..models import NCSN
@@ -59,7 +60,7 @@ class NCSNModule(ScoreModule):
         self.net = net
         self.loss = build_loss(loss, AnnealedLoss, key="loss")
         # SSM-VR differentiates the network's output w.r.t. x, then the parameters: twice through a DEQ
-        self.refuse_ift(self.loss.input_derivatives, self.loss)
+        require_backward(self.net, self.loss.input_derivatives + 1, user=f"the loss {self.loss!r}")
         self.register_buffer("sigmas", noise_schedule(schedule, sigma_max, sigma_min, n_levels).float(),
                              persistent=False)
         self.sampler = sampler or AnnealedLangevin()

@@ -24,8 +24,9 @@ from typing import Any, Literal
 import pytorch_lightning as pl
 import torch
 
+from ..data.protocol import DensityData
 from ..data.transforms import TRANSFORMS
-from ..deq import deq_backward
+from ..deq import deq_backward, require_backward
 from ..errors import ConfigError
 from ..losses import ScoreLoss, build_loss, exact_score_matching, loss_names, score_from_log_prob
 from ..models import NICE, NICEObjective
@@ -57,8 +58,9 @@ class NICEModule(ScoreModule):
                 f"loss {self.loss.name!r} (approximate backprop) works only with net m_net='explicit', "
                 f"got m_net={net.m_net_kind!r}"
             )
-        # a score loss differentiates the flow's score, itself a derivative of log p; MLE takes none
-        self.refuse_ift(self.loss.input_derivatives + 1 if isinstance(self.loss, ScoreLoss) else 0, self.loss)
+        # a score loss differentiates the flow's score (a derivative of log p), then the parameters; MLE: once
+        order = self.loss.input_derivatives + 2 if isinstance(self.loss, ScoreLoss) else 1
+        require_backward(self.net, order, user=f"the loss {self.loss!r}")
         self.exact_sm_batches, self.exact_sm_samples = exact_sm_batches, exact_sm_samples
 
     def check_run(self, trainer: pl.Trainer, datamodule: Any) -> None:
@@ -81,7 +83,7 @@ class NICEModule(ScoreModule):
         logp = self.net.log_prob(x).detach()
         metrics = {"log_likelihood": logp.mean()}
         datamodule = self.datamodule()
-        if hasattr(datamodule, "bits_per_dim"):  # the data module knows its pre-processing
+        if isinstance(datamodule, DensityData):  # the data module knows its pre-processing
             name = "bits_per_dim" if datamodule.bits_per_dim_exact else "bits_per_dim_approx"
             metrics[name] = datamodule.bits_per_dim(logp, x).mean()
         if self.exact_sm_batches < 0 or batch_idx < self.exact_sm_batches:

@@ -23,6 +23,7 @@ import torch
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from ..errors import ConfigError
+from ..files import staged
 
 #: files and folders that mark a directory as holding a run
 RUN_MARKERS = ("checkpoints", "metrics.csv", "config.yaml", "hparams.yaml")
@@ -108,16 +109,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise TypeError("AtomicCheckpointIO takes no storage_options")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # same file system: the rename is atomic
-        try:
-            with open(tmp, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        with staged([path]) as (tmp,), open(tmp, "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def checkpoint_log_step(ckpt: dict[str, Any]) -> int:
@@ -136,10 +131,8 @@ def truncate_log_after(csv_path: Path, step: int) -> int:
     kept = [r for r in rows if not r.get("step") or int(r["step"]) < step]
     if len(kept) == len(rows):
         return 0
-    tmp = csv_path.with_name(f".{csv_path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", newline="") as f:
+    with staged([csv_path]) as (tmp,), open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(kept)
-    os.replace(tmp, csv_path)
     return len(rows) - len(kept)

@@ -1,7 +1,7 @@
 """VAEs with an implicit encoder (entropy gradient from a score network trained by SSM-VR) and the Gaussian-encoder
 baseline, on binarised MNIST (MLP) and 32x32 / 64x64 RGB images (conv) (docs/method.md sections 3.8, 4.3).
 
-Each training step (manual optimisation, two optimisers):
+Each training step (two optimisers, stepped by the base in :meth:`VAEModule.optimizer_steps` order):
 
 1. ``score_updates`` (default 2) steps of the score network's optimiser on its SSM-VR loss, on encoder samples with
    x and z detached: nothing reaches the encoder, the decoder or their optimiser;
@@ -13,7 +13,11 @@ binarised afresh every step (``x = 1[U <= p]``, seeded by the step, so a resume 
 dequantisation noise ``U(-1/2, 1/2)/256``. Validation and test log the surrogate (``loss``; the negative ELBO for the
 Gaussian baseline), the score network's SSM-VR loss (``score_ssm``) and, for MNIST decoders on the first
 ``ais_batches`` test batches, the AIS estimate of ``log p(x)`` (``ais_log_likelihood``, nats; a stochastic lower
-bound). Samples are decoder means of ``z ~ N(0, I)``, so ``sample.py`` and the FID callback work unchanged.
+bound); with ``val_ais_batches``, a smaller AIS estimate (``val_ais_steps`` distributions) on the first validation
+batches, the figure by which the MLP configs keep their best checkpoint: the surrogate ``val/loss`` is no likelihood
+(the implicit encoder has no ELBO) and rewards low-entropy encoders, so it cannot choose one. The conv configs (no
+AIS: Gaussian decoder) keep only ``last.ckpt``. Samples are decoder means of ``z ~ N(0, I)``, so ``sample.py`` and
+the FID callback work unchanged.
 
 Config::
 
@@ -27,6 +31,7 @@ Config::
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytorch_lightning as pl
@@ -37,7 +42,7 @@ from pytorch_lightning.strategies import DDPStrategy
 from ..errors import ConfigError, check_count, check_real
 from ..metrics.ais import ais_log_likelihood
 from ..models import GaussianVAE, ImplicitVAE
-from .base import ScoreModule, _inputs
+from .base import ScoreModule
 
 
 class VAEModule(ScoreModule):
@@ -57,23 +62,29 @@ class VAEModule(ScoreModule):
         ais_chains: int = 16,  # AIS chains per image
         ais_leapfrog: int = 10,  # leapfrog steps per HMC move
         ais_step_size: float = 0.01,  # initial HMC step size (adapted per chain)
+        val_ais_batches: int = 0,  # validation batches scored by a small AIS (best-checkpoint figure); 0: none
+        val_ais_steps: int = 100,  # its intermediate distributions
     ):
         super().__init__()
         check_count("VAEModule score_updates", score_updates, low=0)
         check_count("VAEModule ais_batches", ais_batches, low=0)
+        check_count("VAEModule val_ais_batches", val_ais_batches, low=0)
+        check_count("VAEModule val_ais_steps", val_ais_steps)
         check_count("VAEModule ais_steps", ais_steps)
         check_count("VAEModule ais_chains", ais_chains)
         check_count("VAEModule ais_leapfrog", ais_leapfrog)
         check_real("VAEModule ais_step_size", ais_step_size)
         self.net = net
         self.implicit = isinstance(net, ImplicitVAE)
-        if ais_batches and net.arch != "mlp":
-            raise ConfigError("VAEModule ais_batches: AIS is for the Bernoulli (MLP) decoder of binarised MNIST")
+        for key, value in (("ais_batches", ais_batches), ("val_ais_batches", val_ais_batches)):
+            if value and net.arch != "mlp":
+                raise ConfigError(f"VAEModule {key}: AIS is for the Bernoulli (MLP) decoder of binarised MNIST")
         self.ae_optimizer, self.score_optimizer = ae_optimizer, score_optimizer
         self.score_updates = score_updates if self.implicit else 0
         self.binarize = net.arch == "mlp" if binarize is None else binarize
         self.ais = {"n_steps": ais_steps, "n_chains": ais_chains, "leapfrog": ais_leapfrog, "step_size": ais_step_size}
-        self.ais_batches = ais_batches
+        self.ais_batches = {"val": val_ais_batches, "test": ais_batches}
+        self.val_ais_steps = val_ais_steps
         self.automatic_optimization = False
 
     def check_run(self, trainer: pl.Trainer, datamodule: Any) -> None:
@@ -85,7 +96,7 @@ class VAEModule(ScoreModule):
                               "its two losses uses only its own network)")
 
     # ----- data ---------------------------------------------------------------------------------------------
-    def prepare(self, x: torch.Tensor) -> torch.Tensor:
+    def prepare_batch(self, x: torch.Tensor) -> torch.Tensor:
         """Binarised (MNIST) or dequantised (RGB) pixels, from the global RNG (seeded per step by the base)."""
         if self.binarize:
             return torch.bernoulli(x.clamp(0, 1))
@@ -93,7 +104,6 @@ class VAEModule(ScoreModule):
 
     # ----- losses -------------------------------------------------------------------------------------------
     def compute_loss(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        x = self.prepare(x)
         terms = {"loss": self.net.surrogate(x)}
         if self.implicit:
             terms["score_ssm"] = self.net.score_loss(x)
@@ -105,37 +115,17 @@ class VAEModule(ScoreModule):
             optimizers.append(self.score_optimizer(self.net.score.parameters()))
         return optimizers
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        if not self._run_facts_logged:
-            self._log_run_facts(batch)
-        x = self.prepare(_inputs(batch))
-        optimizers = self.optimizers()
-        optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
-        score_losses = []
-        for _ in range(self.score_updates):
-            loss = self.net.score_loss(x).mean()
-            self._step(optimizers[1], loss)
-            score_losses.append(loss.detach())
-        surrogate = self.net.surrogate(x).mean()
-        self._step(optimizers[0], surrogate)
-        values = {"loss": surrogate.detach()}
-        if score_losses:
-            values["score_ssm"] = torch.stack(score_losses).mean()
-        self.log_stage("train", values, batch_size=x.shape[0])
-        return surrogate.detach()
-
-    def _step(self, optimizer: Any, loss: torch.Tensor) -> None:
-        self.check_finite(loss, "train")
-        optimizer.zero_grad()
-        self.manual_backward(loss)
-        optimizer.step()
+    def optimizer_steps(self, x: torch.Tensor) -> Iterator[tuple[int, str, Callable[[], torch.Tensor]]]:
+        for _ in range(self.score_updates):  # the score network first, on the current encoder
+            yield 1, "score_ssm", lambda: self.net.score_loss(x)
+        yield 0, "loss", lambda: self.net.surrogate(x)
 
     def eval_metrics(self, x: torch.Tensor, stage: str, batch_idx: int) -> dict[str, torch.Tensor]:
-        if stage != "test" or batch_idx >= self.ais_batches:
+        if batch_idx >= self.ais_batches.get(stage, 0):
             return {}
-        x = self.prepare(x)
+        options = self.ais | ({"n_steps": self.val_ais_steps} if stage == "val" else {})
         gen = torch.Generator(device=x.device).manual_seed(batch_idx)
-        estimate = ais_log_likelihood(self.net.log_likelihood, x, self.net.z_dim, generator=gen, **self.ais)
+        estimate = ais_log_likelihood(self.net.log_likelihood, x, self.net.z_dim, generator=gen, **options)
         return {"ais_log_likelihood": estimate.mean()}
 
     # ----- samples ------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ gradient, and the Gaussian-encoder baseline."""
 
 from .dkef import ALPHA_OBJECTIVES, DKEF, DKEF_FEATURE_NETS, DEQFeatureBody, DKEFDEQMap, DKEFFeatureNet
 from .ncsn import NCSN, NCSN_BODIES, NCSNDEQMap
-from .nice import M_NETS, NICE, DEQFactory, DEQMNet, NICEDEQMap, explicit_mlp
+from .nice import M_NETS, NICE, DEQMNet, NICEDEQMap, explicit_mlp
 from .nice_losses import CurvaturePropagationSM, KingmaSM, MaximumLikelihood, NICEObjective
 from .vae import SCORE_NETS, VAE_ARCHS, GaussianVAE, ImplicitVAE
 
@@ -23,7 +23,6 @@ __all__ = [
     "NCSNDEQMap",
     "NICE",
     "CurvaturePropagationSM",
-    "DEQFactory",
     "DEQMNet",
     "KingmaSM",
     "MaximumLikelihood",

@@ -41,10 +41,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from ..deq import DEQ, frobenius_scale
+from ..deq import DEQ, DEQFactory, frobenius_scale, require_backward
 from ..errors import ConfigError, check_count, check_real, choice_error
 from ..losses.score_matching import PROJECTIONS, random_projections
-from .nice import DEQFactory
 
 DKEF_FEATURE_NETS = ("shallow", "deep", "deq")
 ALPHA_OBJECTIVES = ("exact", "sliced", "sliced_vr", "dsm")
@@ -300,20 +299,13 @@ class DKEF(nn.Module):
             for _ in range(N_KERNELS)
         )
         _init_normal_fan_out(self.features)
-        self._refuse_ift()
+        # alpha takes input derivatives of the kernels and every loss differentiates the score once more
+        require_backward(self.features, order=3, user="DKEF (its alpha solve and losses)")
         self.centres = nn.Parameter(torch.randn(n_centres, dim))
         self.kernel_log_scales = nn.Parameter(torch.tensor([float(v) for v in kernel_log_scales]))
         self.beta = nn.Parameter(torch.zeros(N_KERNELS))
         self.log_lambda = nn.Parameter(torch.tensor(float(log_lambda)))
         self.register_buffer("alpha", torch.zeros(n_centres))
-
-    def _refuse_ift(self) -> None:
-        for m in self.features.modules():
-            if isinstance(m, DEQ) and m.backward == "ift":
-                raise ConfigError(
-                    "DKEF deq backward='ift' cannot be used: the alpha solve and every DKEF loss take second "
-                    "derivatives through the feature net; use backward='phantom' or 'unroll'"
-                )
 
     # ---------------------------------------------------------------- inputs and coefficients
 

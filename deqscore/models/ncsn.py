@@ -28,7 +28,6 @@ torch.Size([2, 192])
 
 from __future__ import annotations
 
-import math
 from functools import partial
 from typing import Literal
 
@@ -36,9 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..deq import DEQ
+from ..deq import DEQ, DEQFactory
 from ..errors import ConfigError, check_count, choice_error
-from .nice import DEQFactory
+from .common import image_side
 
 NCSN_BODIES = ("ncsnv2", "shallow", "deq")
 
@@ -267,17 +266,6 @@ class DEQBody(nn.Module):
 # ---------------------------------------------------------------- the network
 
 
-def image_side(dim: int, channels: int, owner: str = "NCSN") -> int:
-    """Side of the square ``channels``-channel image with ``dim`` values, or a ConfigError naming ``owner``'s
-    options."""
-    check_count(f"{owner} channels", channels)
-    side = math.isqrt(dim // channels) if dim % channels == 0 else 0
-    if side < 1 or channels * side * side != dim:
-        raise ConfigError(f"{owner} dim={dim} is not a square image of channels={channels}; set `channels` to the "
-                          "data's (1 for MNIST, 3 for CIFAR-10 and CelebA)")
-    return side
-
-
 class NCSN(nn.Module):
     """Noise-conditional score network ``s(x, sigma)``; see the module docstring.
 
@@ -308,7 +296,7 @@ class NCSN(nn.Module):
             raise choice_error("NCSN body", body, NCSN_BODIES)
         check_count("NCSN dim", dim)
         check_count("NCSN ngf", ngf)
-        self.side = image_side(dim, channels)
+        self.side = image_side(dim, channels, "NCSN")
         if body == "ncsnv2" and self.side % 2:
             raise ConfigError(f"NCSN body 'ncsnv2' halves the resolution once: the image side must be even, got "
                               f"{self.side}")

@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..deq import DEQ
+from ..deq import DEQ, DEQFactory
 from ..errors import ConfigError, check_count, check_real, choice_error
-
-DEQFactory = Callable[[nn.Module], DEQ]  # DEQ options bound, the fixed-point map still to come
 
 M_NETS = ("explicit", "deq")
 

@@ -31,11 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..deq import DEQ
+from ..deq import DEQ, DEQFactory, require_backward
 from ..errors import ConfigError, check_count, check_real, choice_error
 from ..losses import sliced_score_matching
-from .ncsn import image_side
-from .nice import DEQFactory
+from .common import image_side
 
 VAE_ARCHS = ("mlp", "conv")
 SCORE_NETS = ("explicit", "deq")
@@ -288,9 +287,8 @@ class ImplicitVAE(_Decoding):
         else:
             self.encoder = ConvEncoder(channels, side, z_dim, eps_dim, nef)
             self.score = ConvScore(channels, side, z_dim, nef, score, deq or DEQ, norm_scale)
-        if any(isinstance(m, DEQ) and m.backward == "ift" for m in self.score.modules()):
-            raise ConfigError("VAE deq backward='ift' cannot be used: the score network's SSM-VR loss differentiates "
-                              "its output w.r.t. z, then the parameters; use backward='phantom'")
+        # SSM-VR differentiates the score network's output w.r.t. z, then the parameters
+        require_backward(self.score, order=2, user="the VAE score network's SSM-VR loss")
 
     def ae_parameters(self) -> list[nn.Parameter]:
         """Encoder and decoder parameters (the surrogate's optimiser)."""

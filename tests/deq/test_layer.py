@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from deqscore.deq import DEQ, DEQConvergenceWarning, SecondOrderIFTError
+from deqscore.deq import DEQ, DEQConvergenceWarning, SecondOrderIFTError, require_backward
 from deqscore.errors import ConfigError
 from deqscore.losses import score_from_log_prob, sliced_score_matching
 
@@ -279,3 +279,19 @@ def test_a_step_frees_its_graph(backward, run_backward):
     del loss
     gc.collect()
     assert all(ref() is None for ref in func.inputs)
+
+
+@pytest.mark.parametrize("backward", ["phantom", "unroll", "ift"])
+@pytest.mark.parametrize("order", [1, 2, 3])
+def test_require_backward_refuses_exactly_the_orders_a_mode_cannot_differentiate(backward, order):
+    class Map(nn.Module):
+        def forward(self, z, u):
+            return 0.5 * z + u
+
+    model = nn.Sequential(nn.Identity(), DEQ(Map(), backward=backward))
+    if backward == "ift" and order > 1:
+        with pytest.raises(ConfigError, match=f"backward='ift' cannot be used with the loss X: it differentiates "
+                                              f"through the DEQ {order} times"):
+            require_backward(model, order, user="the loss X")
+    else:
+        require_backward(model, order, user="the loss X")

@@ -93,7 +93,8 @@ def _vae_tiny(config: dict) -> list[str]:
     else:
         args += ["--data.init_args.train_subset", "48", "--data.init_args.val_subset", "16",
                  "--data.init_args.test_subset", "16", "--model.init_args.ais_batches", "1",
-                 "--model.init_args.ais_steps", "5", "--model.init_args.ais_chains", "2"]
+                 "--model.init_args.ais_steps", "5", "--model.init_args.ais_chains", "2",
+                 "--model.init_args.val_ais_steps", "3"]
     if init.get("deq"):
         args += [f"{net}.deq.init_args.max_iter", "30", f"{net}.deq.init_args.tol", "1e-4"]
     return args

@@ -192,7 +192,7 @@ def test_sample_script_and_checkpoint_family(tmp_path, root):
 
 
 def test_ift_is_refused_for_score_losses_and_allowed_for_mle(tmp_path):
-    with pytest.raises(ConfigError, match="backward='ift' gives wrong parameter gradients for the loss SSM"):
+    with pytest.raises(ConfigError, match="backward='ift' cannot be used with the loss SSM"):
         _nice_module(loss="ssm", deq={"backward": "ift"})
     # MLE needs first derivatives only: IFT trains, and exact SM is still evaluated (through an unroll)
     args = ["fit", *tiny_args(tmp_path), f"{DEQ_KEY}.backward", "ift", "--model.init_args.loss", "mle",

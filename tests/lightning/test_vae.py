@@ -80,14 +80,14 @@ def test_binarisation_is_dynamic_and_rgb_pixels_are_dequantised():
     module = VAEModule(vae)
     x = torch.full((2000, 784), 0.3)
     torch.manual_seed(0)
-    a, b = module.prepare(x), module.prepare(x)
+    a, b = module.prepare_batch(x), module.prepare_batch(x)
     assert set(a.unique().tolist()) == {0.0, 1.0} and not torch.equal(a, b)
     assert abs(a.mean().item() - 0.3) < 0.005  # P(pixel = 1) = its grey level
     conv = VAEModule(ImplicitVAE(dim=3 * 32 * 32, channels=3, arch="conv", z_dim=2, eps_dim=2, nef=4,
                                  score="explicit"))
     assert conv.binarize is False
     y = torch.full((4, 3 * 32 * 32), 128 / 255)
-    noise = conv.prepare(y) - y
+    noise = conv.prepare_batch(y) - y
     assert noise.abs().max() <= 0.5 / 256 + 1e-7 and noise.std() > 0.5 / 256 / 3  # U(-1/2, 1/2) / 256
 
 

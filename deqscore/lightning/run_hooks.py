@@ -1,0 +1,151 @@
+"""The callbacks every :class:`~deqscore.lightning.ScoreModule` brings with it (its ``configure_callbacks``), so a
+family implements its model and nothing of this machinery:
+
+* :class:`StepSeeding`: the random draws of a step (projections, noise, binarisation) depend on the step alone,
+  so a resumed run repeats an uninterrupted one exactly;
+* :class:`ResumeFixes`: a resumed run continues as if it had not stopped (finished epochs, per-epoch data noise);
+* :class:`RunFacts`: once per run, the parameter count and the activation memory of one training step;
+* :class:`ClosingStage`: a family's closing stage after fit (``ScoreModule.closing_stage``), saved as
+  ``checkpoints/final.ckpt``.
+
+Being the module's own callbacks, they also run for trainers built in Python, not only from the CLI.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.utilities import rank_zero_info
+
+from ..data.protocol import EpochData
+from ..losses import Loss
+from ..metrics import SavedTensorMeter, parameter_count
+from .callbacks import run_dir
+
+
+def batch_inputs(batch: Any) -> torch.Tensor:
+    """The model input of a batch: ``x`` or the first element of ``(x, label, ...)``."""
+    return batch[0] if isinstance(batch, list | tuple) else batch
+
+
+def reseed(module: pl.LightningModule, offset: int) -> None:
+    """Seed the global RNG from (run seed, offset, rank)."""
+    base = int(os.environ.get("PL_GLOBAL_SEED", 0))
+    torch.manual_seed((base * 1_000_003 + offset * 7919 + module.global_rank) % 2**63)
+
+
+class StepSeeding(pl.Callback):
+    """Reseed the global RNG before every training batch (from its step), validation and test."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        # with gradient accumulation several batches share a global step; each gets its own draws
+        accumulate = trainer.accumulate_grad_batches
+        reseed(module, module.global_step * accumulate + batch_idx % accumulate)
+
+    def on_validation_epoch_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        reseed(module, -1)  # the same draws at every validation, so epochs are comparable
+
+    def on_test_epoch_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        reseed(module, -2)
+
+
+def complete_finished_epoch(checkpoint: dict[str, Any]) -> bool:
+    """Mark an epoch whose batches all ran (saved from its end hooks) as completed in ``checkpoint``'s loop state.
+
+    Lightning 2.6 resumes such a checkpoint of a run with ``max_steps`` set by replaying the epoch's end: its
+    hooks run a second time, the epoch is counted twice (a resumed ``max_epochs: 2`` run stops at once) and the
+    data order of every later epoch shifts. Without ``max_steps`` it marks the epoch completed and goes on; this
+    gives both kinds of run that behaviour (with :class:`ResumeFixes`, which starts the next epoch afresh rather
+    than as a restart). True if the checkpoint was such a one.
+    """
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop")
+    if not fit_loop or not fit_loop.get("epoch_loop.batch_progress", {}).get("is_last_batch"):
+        return False
+    progress = fit_loop["epoch_progress"]
+    trackers = (progress["total"], progress["current"])
+    if not all(t["ready"] == t["started"] == t["processed"] == t["completed"] + 1 for t in trackers):
+        return False
+    for tracker in trackers:
+        tracker["completed"] = tracker["processed"]
+    return True
+
+
+class ResumeFixes(pl.Callback):
+    """A resumed run continues as an uninterrupted one: an epoch that finished before the checkpoint is not
+    replayed (:func:`complete_finished_epoch`), and data modules with epoch-dependent randomness (dequantisation
+    noise, shuffling) follow the epoch through their ``set_epoch``."""
+
+    def __init__(self) -> None:
+        self._resumed_after_epoch = False
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        self._resumed_after_epoch = complete_finished_epoch(checkpoint)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if self._resumed_after_epoch:  # a fresh epoch after a finished one, not the restart of an unfinished one
+            trainer.fit_loop.epoch_loop.restarting = False
+            self._resumed_after_epoch = False
+        datamodule = getattr(trainer, "datamodule", None)
+        if isinstance(datamodule, EpochData):
+            datamodule.set_epoch(trainer.current_epoch)
+
+
+class RunFacts(pl.Callback):
+    """Once per run, at its first training batch: ``run/parameters`` and ``run/activation_memory_mb`` (the tensors
+    autograd saves for one training step's loss, parameters excluded), logged on the step axis of the per-step
+    metrics, and the losses with every option resolved."""
+
+    def __init__(self) -> None:
+        self._logged = False
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if not self._logged:
+            self._log(trainer, module, batch_inputs(batch))
+            self._logged = True
+
+    def _log(self, trainer: pl.Trainer, module: pl.LightningModule, x: torch.Tensor) -> None:
+        if x.is_cuda:
+            torch.cuda.reset_peak_memory_stats(x.device)
+        # forked RNG and restored buffers (batch-norm statistics): the measurement must not change the step itself,
+        # nor make a resumed run (which measures again) differ from one that ran straight through
+        buffers = {name: b.clone() for name, b in module.named_buffers()}
+        with torch.random.fork_rng(), SavedTensorMeter(exclude=module.parameters()) as meter, torch.enable_grad():
+            module.loss_terms(module.prepare_batch(x))
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                b.copy_(buffers[name])
+        facts = {"run/parameters": float(parameter_count(module)), "run/activation_memory_mb": meter.bytes / 2**20}
+        if x.is_cuda:
+            facts["run/max_memory_allocated_mb"] = torch.cuda.max_memory_allocated(x.device) / 2**20
+        losses = {k: repr(v) for k, v in vars(module).items() if isinstance(v, Loss)}
+        if trainer.is_global_zero:  # logged once, straight to the loggers (not a per-step metric)
+            for name, text in losses.items():
+                rank_zero_info(f"{name}: {text}")
+            for logger in trainer.loggers:
+                # the step axis of the per-step metrics: Lightning logs them at the count of batches that stepped
+                # (no public accessor), which differs from global_step when a family steps several optimisers
+                logger.log_metrics(facts, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+                if losses:
+                    logger.log_hyperparams({f"resolved_{k}": v for k, v in losses.items()})
+
+
+class ClosingStage(pl.Callback):
+    """After fit, a family's closing stage: the best checkpoint's weights are restored, the module's
+    ``closing_stage(datamodule)`` runs, and the result is saved through the trainer as ``checkpoints/final.ckpt``.
+    Families without a closing stage (``closing_stage`` is None) and smoke runs (``fast_dev_run``) skip it."""
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        stage = getattr(module, "closing_stage", None)
+        datamodule = getattr(trainer, "datamodule", None)
+        if stage is None or datamodule is None or trainer.fast_dev_run:
+            return
+        best = getattr(trainer.checkpoint_callback, "best_model_path", "")
+        if best:
+            state = torch.load(best, map_location=module.device, weights_only=True)["state_dict"]
+            module.load_state_dict(state)
+        stage(datamodule)
+        if trainer.checkpoint_callback is not None:
+            trainer.save_checkpoint(run_dir(trainer) / "checkpoints" / "final.ckpt")
