@@ -1,0 +1,53 @@
+"""Configs show what differs: no config restates a default that the code already sets (run plumbing, DEQ
+solver defaults, evaluation budgets); the design choices that name a config (loss, network kind, sizes) may be
+restated for the reader."""
+
+import importlib
+import inspect
+
+import pytest
+import yaml
+
+from .conftest import CONFIGS
+
+# keys a config may restate at their default: they say what the config is
+NAMING_KEYS = {"loss", "m_net", "score", "arch", "body", "feature_net", "transform", "solver", "hidden", "n_layers",
+               "n_couplings", "z_dim", "eps_dim", "nef", "ngf", "channels", "norm_scale", "dataset", "stop_mode",
+               "n_levels", "sigma_max", "alpha_points", "val_fraction", "train_subset", "lr", "decay", "metrics",
+               "save_last", "grad_through_norm", "n_centres", "deep_layers", "injection_prestep", "use_lmdb"}
+CLI_DEFAULTS = {"runs_root": "checkpoints"}
+TRAINER_DEFAULTS = {"inference_mode": False}  # the CLI's
+
+
+def _defaults(class_path: str) -> dict:
+    module, _, name = class_path.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    return {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+
+
+def _restated(node, where: str) -> list[str]:
+    found = []
+    if isinstance(node, dict) and "class_path" in node and isinstance(node.get("init_args"), dict):
+        defaults = _defaults(node["class_path"])
+        for key, value in node["init_args"].items():
+            if (key in defaults and key not in NAMING_KEYS and not isinstance(value, dict | list)
+                    and type(value) is type(defaults[key]) and value == defaults[key]):
+                found.append(f"{where}.{key}: {value!r}")
+            found += _restated(value, f"{where}.{key}")
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            found += _restated(value, f"{where}.{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            found += _restated(value, f"{where}[{i}]")
+    return found
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
+def test_configs_do_not_restate_code_defaults(config):
+    cfg = yaml.safe_load(config.read_text())
+    found = [f"{k}: {v!r}" for k, v in CLI_DEFAULTS.items() if cfg.get(k) == v]
+    found += [f"trainer.{k}: {v!r}" for k, v in TRAINER_DEFAULTS.items() if (cfg.get("trainer") or {}).get(k) == v]
+    found += _restated({k: cfg[k] for k in ("model", "data", "trainer", "optimizer") if k in cfg}, "")
+    assert not found, f"{config.name} restates defaults: {found}"
