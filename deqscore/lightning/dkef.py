@@ -164,10 +164,16 @@ class DKEFModule(ScoreModule):
 
     # ----- the final stage ------------------------------------------------------------------------------------
     def closing_stage(self, datamodule: Any) -> None:
-        """Solve alpha on the whole training set and fine-tune ``log_lambda`` alone on validation batches."""
-        train = datamodule.train_data.to(self.device)
-        with torch.random.fork_rng(), torch.enable_grad():  # seeded projections: a reproducible final model
+        """Solve alpha on the whole training set and fine-tune ``log_lambda`` alone on validation batches, with
+        every random draw (projections, noise) seeded: the same best weights give the same final model, whether
+        the stage runs at the end of training or in a resumed run."""
+        with torch.random.fork_rng():
             torch.manual_seed(FINAL_STAGE_SEED)
+            self._closing_stage(datamodule)
+
+    def _closing_stage(self, datamodule: Any) -> None:
+        train = datamodule.train_data.to(self.device)
+        with torch.enable_grad():
             g, b = (t.detach() for t in self.alpha_system(train, create_graph=False))
         optimizer = torch.optim.Adam([self.net.log_lambda], lr=self.final_lambda_lr)
         val = datamodule.val_data.to(self.device)

@@ -14,6 +14,7 @@ Being the module's own callbacks, they also run for trainers built in Python, no
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
@@ -135,9 +136,30 @@ class RunFacts(pl.Callback):
 class ClosingStage(pl.Callback):
     """After fit, a family's closing stage: the best checkpoint's weights are restored, the module's
     ``closing_stage(datamodule)`` runs, and the result is saved through the trainer as ``checkpoints/final.ckpt``.
-    Families without a closing stage (``closing_stage`` is None) and smoke runs (``fast_dev_run``) skip it."""
+
+    The stage is a resumable step: a fit resumed from a run whose training is done but which has no
+    ``final.ckpt`` (the stage was killed, or stopped with an error whose advice the resume follows) runs the stage
+    and says so. Families without a closing stage (``closing_stage`` is None) and smoke runs (``fast_dev_run``)
+    skip it."""
+
+    def __init__(self) -> None:
+        self._done = False
 
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self._run(trainer, module)
+
+    def on_fit_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        # Lightning calls no train hooks when the resumed fit loop is already done, but it does end the fit
+        if not self._done and trainer.ckpt_path and not self.final_path(trainer).exists():
+            rank_zero_info(f"training of this run is done but {self.final_path(trainer)} is missing: running the "
+                           "closing stage")
+            self._run(trainer, module)
+
+    @staticmethod
+    def final_path(trainer: pl.Trainer) -> Path:
+        return run_dir(trainer) / "checkpoints" / "final.ckpt"
+
+    def _run(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         stage = getattr(module, "closing_stage", None)
         datamodule = getattr(trainer, "datamodule", None)
         if stage is None or datamodule is None or trainer.fast_dev_run:
@@ -148,4 +170,5 @@ class ClosingStage(pl.Callback):
             module.load_state_dict(state)
         stage(datamodule)
         if trainer.checkpoint_callback is not None:
-            trainer.save_checkpoint(run_dir(trainer) / "checkpoints" / "final.ckpt")
+            trainer.save_checkpoint(self.final_path(trainer))  # staged: a killed save leaves no partial file
+        self._done = True
