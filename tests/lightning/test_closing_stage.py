@@ -36,7 +36,7 @@ def test_a_resume_after_training_runs_a_missing_closing_stage(tmp_path, caplog):
         _resume(tmp_path)
     assert "is missing: running the closing stage" in caplog.text
     again = torch.load(final, weights_only=True)["state_dict"]
-    assert [k for k, v in first.items() if not torch.equal(v, again[k])] == []  # the same stage on the same best weights
+    assert [k for k, v in first.items() if not torch.equal(v, again[k])] == []  # same stage, same weights
     final_mtime = final.stat().st_mtime_ns
     _resume(tmp_path)  # done and final.ckpt present: nothing to do
     assert final.stat().st_mtime_ns == final_mtime
