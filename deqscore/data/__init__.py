@@ -12,6 +12,7 @@ from deqscore.data.celeba import CelebADataModule
 from deqscore.data.cifar import CIFAR10DataModule
 from deqscore.data.datasets import ArrayImageDataset, EpochShuffleSampler, PreprocessedImageDataset, split_indices
 from deqscore.data.errors import CorruptDataError, DataNotFoundError
+from deqscore.data.folder import ImageFolderDataModule
 from deqscore.data.lmdb_cache import LMDBImageDataset, build_lmdb_cache, lmdb_cache_info
 from deqscore.data.mnist import MNISTDataModule, clear_mnist_cache, find_pureml_mnist, load_mnist
 from deqscore.data.protocol import DensityData, EpochData, ImageData, PointData, ScoreData
@@ -34,6 +35,7 @@ from deqscore.data.uci import UCIDataModule
 from deqscore.data.zarr import read_zarr_zip_array
 
 __all__ = [
+    "ImageFolderDataModule",
     "DensityData",
     "EpochData",
     "ImageData",

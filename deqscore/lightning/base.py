@@ -147,8 +147,9 @@ class ScoreModule(pl.LightningModule):
         if isinstance(datamodule, ImageData):  # remembered in checkpoints, so samples can be drawn without the data
             self.image_codec = datamodule.codec
             kind = type(datamodule)
+            # with the options that rebuild the same images (a folder's image size, say)
             self.data_source = {"class_path": f"{kind.__module__}.{kind.__qualname__}",
-                                "data_dir": str(datamodule.data_dir)}
+                                "data_dir": str(datamodule.data_dir), **getattr(datamodule, "source_options", {})}
 
     @torch.no_grad()
     def sample_images(self, n: int) -> torch.Tensor:
