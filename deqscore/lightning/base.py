@@ -276,7 +276,28 @@ class ScoreModule(pl.LightningModule):
                 f"checkpoint holds a {found!r} model, not {self.family!r}; load it with the "
                 f"{found!r} module (sample.py picks the family from the checkpoint)"
             )
+        self._check_shapes(checkpoint)
         if checkpoint.get(CODEC_KEY) is not None:
             self.image_codec = ImageCodec.from_dict(checkpoint[CODEC_KEY])
         if checkpoint.get(DATA_KEY) is not None:
             self.data_source = dict(checkpoint[DATA_KEY])
+
+    def _check_shapes(self, checkpoint: dict[str, Any]) -> None:
+        """ConfigError naming both sizes when the checkpoint's weights do not fit this module (e.g. a network
+        trained on data of another dimension), instead of a state-dict traceback."""
+        own = self.state_dict()
+        wrong = [(k, tuple(v.shape), tuple(own[k].shape)) for k, v in checkpoint.get("state_dict", {}).items()
+                 if k in own and tuple(v.shape) != tuple(own[k].shape)]
+        if not wrong:
+            return
+        key, saved, here = wrong[0]
+        net = checkpoint.get("hyper_parameters", {}).get("net")
+        saved_dim = net.get("init_args", {}).get("dim") if isinstance(net, dict) else None
+        this_dim = getattr(getattr(self, "net", None), "dim", None)
+        dims = f": the checkpoint's network has dim {saved_dim}, this run's data dim {this_dim}" if (
+            saved_dim is not None and this_dim is not None and saved_dim != this_dim) else ""
+        raise ConfigError(
+            f"the checkpoint does not fit this {self.family!r} model{dims} ({key} has shape {saved} in the checkpoint, "
+            f"{here} here; {len(wrong)} weight(s) differ); resume on the data and with the network options the "
+            "checkpoint was trained with"
+        )

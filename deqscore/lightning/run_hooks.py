@@ -22,6 +22,7 @@ import torch
 from pytorch_lightning.utilities import rank_zero_info
 
 from ..data.protocol import EpochData
+from ..errors import ConfigError
 from ..losses import Loss
 from ..metrics import SavedTensorMeter, parameter_count
 from .callbacks import run_dir
@@ -76,14 +77,27 @@ def complete_finished_epoch(checkpoint: dict[str, Any]) -> bool:
 
 class ResumeFixes(pl.Callback):
     """A resumed run continues as an uninterrupted one: an epoch that finished before the checkpoint is not
-    replayed (:func:`complete_finished_epoch`), and data modules with epoch-dependent randomness (dequantisation
-    noise, shuffling) follow the epoch through their ``set_epoch``."""
+    replayed (:func:`complete_finished_epoch`), data modules with epoch-dependent randomness (dequantisation
+    noise, shuffling) follow the epoch through their ``set_epoch``, and a checkpoint whose optimiser states do
+    not match the module's optimisers is refused (Lightning would restore the ones it has and silently start
+    the others afresh)."""
 
     def __init__(self) -> None:
         self._resumed_after_epoch = False
+        self._saved_optimizers: int | None = None
 
     def on_load_checkpoint(self, trainer: pl.Trainer, module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         self._resumed_after_epoch = complete_finished_epoch(checkpoint)
+        if "optimizer_states" in checkpoint:
+            self._saved_optimizers = len(checkpoint["optimizer_states"])
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if self._saved_optimizers is not None and self._saved_optimizers != len(trainer.optimizers):
+            raise ConfigError(
+                f"--ckpt_path: the checkpoint holds {self._saved_optimizers} optimiser state(s), this "
+                f"{type(module).__name__} has {len(trainer.optimizers)} optimiser(s); resume from a checkpoint of "
+                "the same model and optimisers (the weights alone load with `train.py test` or sample.py)"
+            )
 
     def on_train_epoch_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if self._resumed_after_epoch:  # a fresh epoch after a finished one, not the restart of an unfinished one
