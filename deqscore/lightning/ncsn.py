@@ -29,10 +29,12 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from pytorch_lightning.utilities import rank_zero_info
 
 from ..deq import require_backward
 from ..errors import ConfigError
 from ..losses import SCHEDULES, AnnealedLoss, build_loss, loss_names, noise_schedule
+from ..losses.annealed import schedule_from_data
 from ..models import NCSN
 from ..sampling.langevin import AnnealedLangevin
 from .base import ScoreModule
@@ -56,22 +58,53 @@ class NCSNModule(ScoreModule):
         sigma_min: float = 0.01,  # sigma_L, the smallest
         n_levels: int = 232,  # L (CIFAR-10: 232)
         sampler: AnnealedLangevin | None = None,  # annealed Langevin options (None: AnnealedLangevin's defaults)
+        schedule_from_data: bool = False,  # sigma_max, n_levels and the sampler's step_lr from the training data
+        schedule_data_subset: int = 10_000,  # training images whose largest pairwise distance gives sigma_max
     ):
         super().__init__()
         self.net = net
         self.loss = build_loss(loss, AnnealedLoss, key="loss")
         # SSM-VR differentiates the network's output w.r.t. x, then the parameters: twice through a DEQ
         require_backward(self.net, self.loss.input_derivatives + 1, user=f"the loss {self.loss!r}")
-        self.register_buffer("sigmas", noise_schedule(schedule, sigma_max, sigma_min, n_levels).float(),
-                             persistent=False)
+        self.schedule, self.sigma_min = schedule, sigma_min
+        # Not a buffer (it follows the module's device and dtype through _apply): weight averaging copies the
+        # buffers at setup, and a schedule from the data changes the number of levels after that copy.
+        self.sigmas = noise_schedule(schedule, sigma_max, sigma_min, n_levels).float()
         self.sampler = sampler or AnnealedLangevin()
+        self.schedule_from_data, self.schedule_data_subset = schedule_from_data, schedule_data_subset
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
+        if stage == "fit" and self.schedule_from_data:
+            self._schedule_from(self.datamodule())
         codec = self.image_codec
         if codec is not None and tuple(codec.image_shape) != self.net.image_shape:
             raise ConfigError(f"NCSN net image shape {self.net.image_shape} differs from the data's "
                               f"{tuple(codec.image_shape)}: set net `channels` to the data's")
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 - torch's signature
+        self.sigmas = fn(self.sigmas)
+        return super()._apply(fn, recurse)
+
+    def _schedule_from(self, datamodule) -> None:
+        """NCSNv2's schedule from the training data (:func:`deqscore.losses.annealed.schedule_from_data`), stored in
+        the hyper-parameters so that a checkpoint, a resume and ``sample.py`` use the same values."""
+        datamodule.setup("fit")
+        train = datamodule.train_dataset
+        n = min(len(train), self.schedule_data_subset)
+        x = torch.stack([train[i][0] for i in range(n)])  # the first n training items, in model space
+        derived = schedule_from_data(x, self.sigma_min, self.sampler.n_steps_each)
+        self.sigmas = noise_schedule(self.schedule, derived["sigma_max"], self.sigma_min, derived["n_levels"]).to(
+            self.sigmas)
+        self.sampler.step_lr = derived["step_lr"]
+        self.hparams.update(sigma_max=derived["sigma_max"], n_levels=derived["n_levels"], schedule_from_data=False)
+        sampler = self.hparams.get("sampler") or {"class_path": f"{AnnealedLangevin.__module__}.AnnealedLangevin"}
+        if isinstance(sampler, dict):  # a config (built from one), so that load_module rebuilds this sampler
+            sampler.setdefault("init_args", {})["step_lr"] = derived["step_lr"]
+            self.hparams["sampler"] = sampler
+        rank_zero_info(f"noise schedule from {n} training items: sigma_max {derived['sigma_max']:.4g} (largest "
+                       f"pairwise distance), ratio {derived['gamma']:.5f}, n_levels {derived['n_levels']}, Langevin "
+                       f"step_lr {derived['step_lr']:.3g} for {self.sampler.n_steps_each} steps per level")
 
     def compute_loss(self, x: torch.Tensor) -> torch.Tensor:
         return self.loss(self.net, x, self.sigmas)

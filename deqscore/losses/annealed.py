@@ -42,6 +42,79 @@ def linear_sigmas(sigma_max: float, sigma_min: float, n_levels: int) -> Tensor:
 SCHEDULES: dict[str, Callable[[float, float, int], Tensor]] = {"geometric": geometric_sigmas, "linear": linear_sigmas}
 
 
+def max_pairwise_distance(x: Tensor, chunk: int = 1024) -> float:
+    """The largest Euclidean distance between two rows of ``x`` ``[N, D]`` (float64, in chunks of rows)."""
+    x = x.reshape(len(x), -1).double()
+    return max(float(torch.cdist(part, x).max()) for part in x.split(chunk))
+
+
+def geometric_ratio(dim: int, tol: float = 1e-10) -> float:
+    """The ratio gamma > 1 of consecutive noise levels with
+    ``Phi(sqrt(2D)(gamma - 1) + 3 gamma) - Phi(sqrt(2D)(gamma - 1) - 3 gamma) = 1/2`` (Song and Ermon 2020,
+    technique 2: a perturbed sample of one level lies, with probability 1/2, in the high-density shell of the next).
+
+    >>> round(geometric_ratio(3 * 32 * 32), 4)  # CIFAR-10 (NCSNv2's config: (50 / 0.01)^(1/231) = 1.0376)
+    1.0398
+    """
+    root = math.sqrt(2 * dim)
+    if root <= 3:  # the overlap then grows towards 1 with gamma: no ratio halves it
+        raise ConfigError(f"a noise schedule from the data needs data of dimension >= 5, got {dim}")
+
+    def overlap(gamma: float) -> float:
+        phi = lambda t: 0.5 * (1 + math.erf(t / math.sqrt(2)))  # noqa: E731
+        return phi(root * (gamma - 1) + 3 * gamma) - phi(root * (gamma - 1) - 3 * gamma)
+
+    low, high = 1.0, 2.0
+    while overlap(high) > 0.5:  # small D: the ratio may exceed 2
+        high *= 2
+    while high - low > tol:  # overlap decreases in gamma
+        mid = (low + high) / 2
+        low, high = (mid, high) if overlap(mid) > 0.5 else (low, mid)
+    return (low + high) / 2
+
+
+def langevin_step_size(sigma_min: float, gamma: float, n_steps_each: int) -> float:
+    """The step size eps of annealed Langevin dynamics (steps ``eps sigma_i^2 / sigma_L^2``) for which
+    ``(1 - eps/s2)^(2T) (gamma^2 - 2 eps / (s2 - s2 (1 - eps/s2)^2)) + 2 eps / (s2 - s2 (1 - eps/s2)^2)`` is
+    closest to 1, with ``s2 = sigma_L^2`` and T steps per level (Song and Ermon 2020, technique 4: after T steps
+    at one level, the samples' variance matches that level).
+
+    >>> f"{langevin_step_size(0.01, (50 / 0.01) ** (1 / 231), 5):.2e}"  # NCSNv2's CIFAR-10 config: 6.2e-6
+    '6.18e-06'
+    """
+    s2 = sigma_min**2
+
+    def gap(eps: float) -> float:
+        keep = (1 - eps / s2) ** 2
+        drift = 2 * eps / (s2 - s2 * keep)
+        return abs(keep**n_steps_each * (gamma**2 - drift) + drift - 1)
+
+    grid = torch.logspace(math.log10(s2) - 12, math.log10(s2), 20001, dtype=torch.float64).tolist()[:-1]
+    return min(grid, key=gap)
+
+
+def schedule_from_data(x: Tensor, sigma_min: float, n_steps_each: int) -> dict[str, float | int]:
+    """NCSNv2's schedule for training data ``x`` ``[N, D]`` in model space: ``sigma_max`` the largest pairwise
+    distance (technique 1), ``n_levels`` from the ratio of :func:`geometric_ratio` (technique 2), and the
+    Langevin ``step_lr`` of :func:`langevin_step_size` (technique 4).
+
+    >>> x = torch.zeros(3, 8)
+    >>> x[1, :2] = torch.tensor([3.0, 4.0])
+    >>> schedule_from_data(x, 0.01, 5)["sigma_max"]
+    5.0
+    """
+    check_real("sigma_min", sigma_min)
+    check_count("n_steps_each", n_steps_each)
+    sigma_max = max_pairwise_distance(x)
+    if not sigma_max > sigma_min:
+        raise ConfigError(f"the training data's largest pairwise distance {sigma_max:g} does not exceed sigma_min="
+                          f"{sigma_min}: a schedule from the data needs distinct points")
+    gamma = geometric_ratio(x[0].numel())
+    n_levels = max(2, math.ceil(math.log(sigma_max / sigma_min) / math.log(gamma)) + 1)
+    return {"sigma_max": sigma_max, "n_levels": n_levels, "gamma": gamma,
+            "step_lr": langevin_step_size(sigma_min, gamma, n_steps_each)}
+
+
 def noise_schedule(kind: str, sigma_max: float, sigma_min: float, n_levels: int) -> Tensor:
     """The ``kind`` schedule (float64, strictly decreasing), or a :class:`~deqscore.errors.ConfigError` naming the
     option that is wrong (an unknown name, a non-positive level, ``sigma_max <= sigma_min``, ``n_levels < 2``).
