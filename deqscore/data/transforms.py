@@ -46,6 +46,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from einops import rearrange
 
 __all__ = [
     "DEFAULT_ALPHA",
@@ -335,7 +336,9 @@ class ImageCodec:
                 f"expected a batch [B, ...] of {self.dim} values per sample (images {self.image_shape}), "
                 f"got shape {tuple(x.shape)}"
             )
-        return to_unit(x, self.transform, self.alpha).reshape(x.shape[0], *self.image_shape)
+        c, h, w = self.image_shape
+        flat = to_unit(x, self.transform, self.alpha).reshape(x.shape[0], -1)
+        return rearrange(flat, "b (c h w) -> b c h w", c=c, h=h, w=w)
 
     def bits_per_dim(self, log_prob: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Pixel-space bits/dim ``[B]`` (float64) of model-space samples ``x`` of model log-density ``log_prob``.

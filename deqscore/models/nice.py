@@ -19,6 +19,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
 from ..deq import DEQ, DEQFactory
@@ -130,13 +131,13 @@ class NICE(nn.Module):
     @staticmethod
     def split_halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(even, odd) coordinates of ``[B, D]``: the two halves the couplings update in turn."""
-        pairs = x.reshape(x.shape[0], -1, 2)
+        pairs = rearrange(x, "b (d two) -> b d two", two=2)
         return pairs[..., 0], pairs[..., 1]
 
     @staticmethod
     def merge_halves(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`split_halves`."""
-        return torch.stack([even, odd], -1).reshape(even.shape[0], -1)
+        return rearrange(torch.stack([even, odd], -1), "b d two -> b (d two)")
 
     def _check_input(self, x: torch.Tensor) -> None:
         """Shape ``[B, D]`` and finite values, checked once per public call (not per coupling: on a GPU the
