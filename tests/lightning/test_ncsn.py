@@ -6,6 +6,7 @@ import pytest
 import torch
 from pytorch_lightning import Callback
 
+from deqscore.deq import deq_backward
 from deqscore.errors import ConfigError
 from deqscore.lightning import build_module, load_module
 from deqscore.lightning.cli import main
@@ -77,17 +78,40 @@ def test_resume_continues_the_average_exactly(tmp_path):
     assert torch.equal(a["averaging_state"]["n_averaged"], b["averaging_state"]["n_averaged"])
 
 
-def _module(loss, backward):
+def _module(loss, backward, dim=64, **deq_options):
     return build_module({"class_path": "deqscore.lightning.NCSNModule", "init_args": {
         "net": {"class_path": "deqscore.models.NCSN", "init_args": {
-            "dim": 64, "channels": 1, "ngf": 4, "body": "deq",
-            "deq": {"class_path": "deqscore.deq.DEQ", "init_args": {"backward": backward}}}},
+            "dim": dim, "channels": 1, "ngf": 4, "body": "deq",
+            "deq": {"class_path": "deqscore.deq.DEQ", "init_args": {"backward": backward, **deq_options}}}},
         "loss": loss, "sigma_max": 1.0, "sigma_min": 0.1, "n_levels": 3}})
 
 
 @pytest.mark.parametrize("loss", ["annealed_dsm", "annealed_fd_ssm"])
 def test_first_order_losses_accept_ift(loss):
-    assert _module(loss, "ift").net.body.deq.backward == "ift"
+    """The IFT parameter gradients of a first-order loss equal those of every Picard iteration unrolled to
+    convergence (the derivative of the converged layer), in float64."""
+    torch.manual_seed(0)
+    module = _module(loss, "ift", dim=16, solver="anderson", tol=1e-12, max_iter=300, ift_tol=1e-13, ift_max_iter=1000,
+                     warn_on_nonconvergence=False).double()
+    deq = module.net.body.deq
+    assert deq.backward == "ift"
+    x = torch.rand(3, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    params = [p for _, p in module.named_parameters()]
+
+    def gradients():
+        torch.manual_seed(2)  # the same noise levels and noise for both
+        return torch.autograd.grad(module.compute_loss(x).mean(), params)
+
+    ift = gradients()
+    assert deq.stats.converged
+    deq.max_iter, deq.tol = 2000, 1e-14
+    with deq_backward(module, "unroll"):
+        unrolled = gradients()
+        assert deq.stats.solver == "picard" and deq.stats.converged, deq.stats.nstep
+    func = {id(p) for p in deq.func.parameters()}
+    assert any(id(p) in func and g.abs().max() > 1e-4 for p, g in zip(params, ift, strict=True))
+    for g, h in zip(ift, unrolled, strict=True):
+        torch.testing.assert_close(g, h, rtol=1e-7, atol=1e-10)
 
 
 def test_ssm_vr_refuses_ift_naming_the_fix():
