@@ -189,9 +189,15 @@ def _dot_residual(t: Tensor, f: Tensor, c: Tensor) -> Tensor:
 
 
 def _gauss_kernel(f: Tensor, c: Tensor, scale: Tensor) -> Tensor:
-    """``exp(-||f_b - c_m||^2 / (2 scale))`` [B, M], by the expansion ``|f|^2 + |c|^2 - 2 f.c``."""
+    """``exp(-||f_b - c_m||^2 / (2 scale))`` [B, M], by the expansion ``|f|^2 + |c|^2 - 2 f.c``.
+
+    At a point equal to a centre the expansion rounds to a tiny negative number. Its value is clamped at zero, but
+    its derivatives are those of the expansion: a clamp's zero gradient there would drop the kernel's second
+    derivative (its ``||J||^2`` term) at every centre, and centres are drawn from the training data.
+    """
     sq = f.pow(2).sum(1, keepdim=True) + c.pow(2).sum(1) - 2 * f @ c.T
-    return torch.exp(-sq.clamp_min(0) / (2 * scale))
+    sq = sq + (sq.clamp_min(0) - sq).detach()
+    return torch.exp(-sq / (2 * scale))
 
 
 def _one_kernel_derivs(fd: _FeatureDerivs, c: Tensor, s: Tensor) -> _KernelDerivs:

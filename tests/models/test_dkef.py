@@ -41,12 +41,20 @@ def _draws(objective, x, seed=7):
 # ------------------------------------------------------------------ (1) the alpha solve
 
 
+def _plain_kernel(model, z):
+    """The kernel mixture at one point ``z`` [D] against the centres, written out with direct differences (exact at
+    a centre, independent of the model's kernel code): ``sum_j w_j exp(-||phi_j(z) - phi_j(c_m)||^2 / (2 s_j))``."""
+    weights, scales = torch.softmax(model.beta, 0), 10**model.kernel_log_scales
+    return sum(w * torch.exp(-(phi(z[None]) - phi(model.centres)).pow(2).sum(1) / (2 * s))
+               for phi, w, s in zip(model.features, weights, scales, strict=True))
+
+
 def _brute_kernel_derivs(model, x):
-    """Per-sample Jacobian [B, M, D] and Hessians [B, M, D, D] of model.kernel by plain autograd."""
+    """Per-sample Jacobian [B, M, D] and Hessians [B, M, D, D] of the plain kernel by autograd."""
     jacs, hessians = [], []
     for xb in x:
         def k(z):
-            return model.kernel(z[None])[0]
+            return _plain_kernel(model, z)
 
         jacs.append(torch.autograd.functional.jacobian(k, xb))
         hessians.append(torch.autograd.functional.jacobian(
@@ -80,6 +88,8 @@ def _stacked_rows(model, objective, x, draws):
 @pytest.mark.parametrize("objective", OBJECTIVES)
 def test_alpha_matches_least_squares_of_brute_force_system(feature_net, objective):
     model, x = _model(feature_net), _data()
+    with torch.no_grad():  # centres drawn from the data, as by default: the system is evaluated at the centres
+        model.centres.copy_(x[: model.n_centres])
     draws = _draws(objective, x)
     gram, b = model.alpha_system(x, objective, sigma=SIGMA, **draws)
     rows, b_ref = _stacked_rows(model, objective, x, draws)
@@ -112,6 +122,8 @@ def _loss(model, objective, x, alpha, seed=7):
 @pytest.mark.parametrize("objective", OBJECTIVES)
 def test_alpha_minimises_the_real_loss(feature_net, objective):
     model, x = _model(feature_net), _data(n=8)
+    with torch.no_grad():  # centres drawn from the data, as by default
+        model.centres.copy_(x[: model.n_centres])
     draws = _draws(objective, x)
     lam = 10 ** model.log_lambda.item()
     alpha = model.solve_alpha(x, objective, sigma=SIGMA, create_graph=False, **draws)
@@ -422,3 +434,22 @@ def test_bad_call_arguments():
         model.init_centres(x[:3])
     with pytest.raises(ValueError, match="n_samples"):
         model.log_partition(n_samples=1)
+
+
+@pytest.mark.parametrize("feature_net", NETS)
+def test_second_derivatives_at_the_centres_match_the_plain_kernel(feature_net):
+    # Centres are drawn from the training data, so the model is evaluated at its own centres, where the expanded
+    # squared distance |f|^2 + |c|^2 - 2 f.c rounds to about zero (often below it, in float32 as in training).
+    model = _model(feature_net, dim=4, n_centres=8, hidden=16).float()
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model.centres.copy_(x)
+        model.alpha.copy_(torch.randn(8, generator=torch.Generator().manual_seed(4)))
+
+    def laplacian(log_density, z):
+        return torch.autograd.functional.hessian(log_density, z).diagonal().sum()
+
+    for z in x:
+        ours = laplacian(lambda y: model.log_density(y[None])[0], z)
+        plain = laplacian(lambda y: model.q0(y[None])[0] + _plain_kernel(model, y) @ model.alpha, z)
+        torch.testing.assert_close(ours, plain, rtol=1e-4, atol=1e-4)
