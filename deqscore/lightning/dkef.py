@@ -1,8 +1,14 @@
 """Deep kernel exponential families (DKEF) on UCI data, with explicit or DEQ feature networks (docs/method.md 4.2).
 
 Training is two-stage (Wenliang et al. 2019): each step solves the kernel coefficients alpha in closed form on one
-half of the batch (differentiably) and evaluates the score-matching loss on the other half; after every step the
-stored alpha is refreshed from ``alpha_points`` random training points, and validation scores the model with it.
+half of the batch (differentiably) and evaluates the score-matching loss on the other half, both with the DEQ's
+configured backward. At the start of every validation the stored alpha is solved afresh on ``alpha_points`` random
+training points, and validation scores the model with it.
+
+Derivative modes: every reported figure (validation and test loss, exact SM, log-likelihood, Fisher divergence), the
+stored alpha they use and the closing stage take the derivatives of the converged model (``unroll``, a no-op for
+explicit feature nets), so alpha minimises exactly the loss that is reported; only training's own alpha and loss use
+the configured backward (``phantom`` by default).
 The closing stage after fit (:meth:`DKEFModule.closing_stage`, run by the base's ``ClosingStage`` callback on the
 best checkpoint's weights) solves alpha on the whole training set and fine-tunes ``log_lambda`` alone on validation
 batches; the result is saved as ``checkpoints/final.ckpt``.
@@ -104,12 +110,13 @@ class DKEFModule(ScoreModule):
         return self.net.alpha_from_system(*self.alpha_system(x, create_graph), differentiable=create_graph)
 
     def _refresh_alpha(self, seed: int) -> None:
-        """Solve alpha on ``alpha_points`` random training points (seeded by the step: exact resume)."""
+        """Solve alpha on ``alpha_points`` random training points (seeded by the step: exact resume), with the
+        derivatives of the converged model (unroll), as every reported metric that uses it."""
         datamodule = self.datamodule()
         if datamodule is None:
             return
         points = datamodule.train_subset(self.alpha_points, torch.Generator().manual_seed(seed)).to(self.device)
-        with torch.enable_grad():
+        with torch.enable_grad(), deq_backward(self.net, "unroll"):
             alpha = self.solve_alpha(points, create_graph=False)
         self.net.set_alpha(alpha.detach())
 
@@ -118,16 +125,14 @@ class DKEFModule(ScoreModule):
         return lambda x: self.net.score(x, alpha)
 
     def compute_loss(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training:  # evaluation: the stored alpha, refreshed from training points
-            return self.loss(self.score_with(None), x)
+        if not self.training:  # evaluation: the stored alpha, refreshed from training points; the converged model
+            with deq_backward(self.net, "unroll"):
+                return self.loss(self.score_with(None), x)
         if len(x) < 2:
             raise ConfigError("DKEF training needs batches of at least 2 points (alpha on one half, loss on the other)")
         half = len(x) // 2
         alpha = self.solve_alpha(x[:half], create_graph=True)
         return self.loss(self.score_with(alpha), x[half:])
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._refresh_alpha(seed=self.global_step)
 
     # ----- evaluation -----------------------------------------------------------------------------------------
     def _estimate_log_z(self, n_samples: int) -> None:
@@ -137,6 +142,7 @@ class DKEFModule(ScoreModule):
 
     def on_validation_epoch_start(self) -> None:
         super().on_validation_epoch_start()
+        self._refresh_alpha(seed=self.global_step)  # the alpha that validation and the checkpoint use
         self._estimate_log_z(self.log_z_samples)
 
     def on_test_epoch_start(self) -> None:
@@ -167,7 +173,7 @@ class DKEFModule(ScoreModule):
         """Solve alpha on the whole training set and fine-tune ``log_lambda`` alone on validation batches, with
         every random draw (projections, noise) seeded: the same best weights give the same final model, whether
         the stage runs at the end of training or in a resumed run."""
-        with torch.random.fork_rng():
+        with torch.random.fork_rng(), deq_backward(self.net, "unroll"):  # the converged model, as the metrics
             torch.manual_seed(FINAL_STAGE_SEED)
             self._closing_stage(datamodule)
 
