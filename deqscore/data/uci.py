@@ -416,6 +416,15 @@ class UCIDataModule(pl.LightningDataModule):
         self.split_rows = dict(zip(("train", "val", "test"), np.split(order, bounds), strict=True))
         return np.split(data, bounds)
 
+    @property
+    def log_det_whitening(self) -> float:
+        """``log |det W|`` of the whitening ``x = (row - mean) @ W`` (0 for synthetic data): a log-density of the
+        whitened data plus this is the log-density of the rows in the data's own units (after pruning and
+        dequantisation; the small noise added after whitening is not undone)."""
+        if self.whiten_matrix is None:
+            return 0.0
+        return float(np.linalg.slogdet(self.whiten_matrix)[1])
+
     def train_subset(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """``n`` distinct random training rows ``[n, dim]`` drawn with ``generator`` (e.g. to refresh a model's
         coefficients)."""

@@ -153,7 +153,10 @@ class DKEFModule(ScoreModule):
         metrics: dict[str, Any] = {}
         if self._log_z is not None:
             log_z, stderr = self._log_z
-            metrics |= {"log_likelihood": (self.net.log_density(x).detach() - log_z).mean(), "log_z": log_z,
+            whitened = (self.net.log_density(x).detach() - log_z).mean()
+            # in the data's own units (the whitening's Jacobian added), and in the whitened space the model sees
+            jacobian = getattr(self.datamodule(), "log_det_whitening", 0.0)
+            metrics |= {"log_likelihood": whitened + jacobian, "log_likelihood_whitened": whitened, "log_z": log_z,
                         "log_z_stderr": stderr}
         if self.exact_sm_batches < 0 or batch_idx < self.exact_sm_batches:
             with deq_backward(self.net, "unroll"):  # the model as solved to tolerance (see NICEModule)

@@ -513,3 +513,19 @@ def test_lightning_trainer_fits_a_gaussian(uci_root, tmp_path):
     nll = trainer.callback_metrics["val_nll"].item()
     # whitened data with 0.05 noise: a standard normal is near optimal, 11 * 0.5 * log(2 pi e) = 15.6
     assert math.isfinite(nll) and nll < 17.0
+
+
+def test_the_whitening_jacobian_is_that_of_the_fitted_covariance():
+    # whitening makes the covariance the identity, so |det W| = det(cov)^(-1/2), whatever the rotation
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((500, 4)) @ rng.standard_normal((4, 4)) + 3.0
+    _, matrix = uci_module.fit_whitening(data)
+    expected = -0.5 * np.linalg.slogdet(np.cov(data.T, bias=True))[1]
+    assert np.linalg.slogdet(matrix)[1] == pytest.approx(expected, rel=1e-10)
+
+
+@pytest.mark.parametrize(("dataset", "log_det"), [("redwine", 12.04), ("whitewine", 12.40), ("parkinsons", 44.09)])
+def test_log_det_whitening_of_the_uci_sets(uci_root, dataset, log_det):
+    dm = _setup(dataset=dataset, root=str(uci_root))
+    assert dm.log_det_whitening == pytest.approx(log_det, abs=0.01)
+    assert _setup(dataset="highdim", dim=5).log_det_whitening == 0.0
