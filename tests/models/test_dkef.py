@@ -453,3 +453,22 @@ def test_second_derivatives_at_the_centres_match_the_plain_kernel(feature_net):
         ours = laplacian(lambda y: model.log_density(y[None])[0], z)
         plain = laplacian(lambda y: model.q0(y[None])[0] + _plain_kernel(model, y) @ model.alpha, z)
         torch.testing.assert_close(ours, plain, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("config", "expected_terms"), [("deq.yaml", 2), ("deq_reference.yaml", 3)])
+def test_dkef_deq_configs_truncate_the_neumann_series_as_documented(config, expected_terms):
+    # the DEQ feature map is linear, z = W~ z + u: K steps from the detached fixed point give dz/du = sum_{k<K} W~^k,
+    # and the reference's injection-only pre-step adds one term (docs/method.md 2.5)
+    import yaml
+
+    from deqscore.lightning import build_module
+
+    cfg = yaml.safe_load(open(f"configs/dkef/{config}"))["model"]
+    cfg["init_args"]["net"]["init_args"].update(dim=3, n_centres=4, hidden=5)
+    body = build_module(cfg).net.features[0].body.double()
+    u = torch.randn(2, 5, dtype=F64, requires_grad=True)
+    z = body.deq(u)
+    jac = torch.stack([torch.autograd.grad(z[0, i], u, retain_graph=True)[0][0] for i in range(5)])
+    w = body.deq.func.scaled_weight().detach()
+    expected = sum(torch.linalg.matrix_power(w, k) for k in range(expected_terms))
+    torch.testing.assert_close(jac, expected)
