@@ -5,11 +5,14 @@ Every ``every_n_epochs`` epochs, at the start of validation (so with the average
 :meth:`ScoreModule.sample_images`, computes their Inception features, and the feature sums are added across
 processes (DDP), so the FID is that of all ``num_samples`` images whatever the number of processes. It is logged as
 ``val/fid`` with ``val/fid_samples`` (the N it was computed with: FIDs are comparable only at equal N and
-reference statistics), a grid of the first samples is saved as ``<run>/fid/epoch_<e>.png``, and the checkpoint of the
-lowest FID so far is kept as ``<run>/checkpoints/best-fid.ckpt`` (written after validation, with the trained and
-averaged weights in their usual places).
+reference statistics) and the KID of the same features as ``val/kid`` and ``val/kid_std``
+(:func:`deqscore.metrics.sample_quality`, the function ``sample.py --fid`` calls too), a grid of the first samples
+is saved as ``<run>/fid/epoch_<e>.png``, and the checkpoint of the lowest FID so far is kept as
+``<run>/checkpoints/best-fid.ckpt`` (written after validation, with the trained and averaged weights in their usual
+places).
 
-The reference statistics are those of the data module's training split (:func:`deqscore.metrics.fid.dataset_stats`),
+The reference statistics are those of the data module's training split
+(:func:`deqscore.metrics.reference.dataset_stats`),
 computed once and cached under ``stats_root``.
 
 Config::
@@ -32,11 +35,15 @@ import torch
 from pytorch_lightning.callbacks import WeightAveraging
 
 from ..errors import ConfigError, check_count
-from ..metrics.fid import FeatureStats, GaussianStats, InceptionFeatures, dataset_stats, frechet_distance
+from ..metrics.inception import InceptionFeatures
+from ..metrics.quality import sample_quality
+from ..metrics.reference import dataset_stats
+from ..metrics.statistics import FeatureStats, GaussianStats
 from ..sampling import save_image_grid
 from .callbacks import run_dir
 
 BEST_FID_FILE = "best-fid.ckpt"
+KID_FEATURES = 10_000  # sample features kept for KID (the moments of all N make FID)
 
 
 def _share(n: int, rank: int, world: int) -> int:
@@ -114,7 +121,8 @@ class FIDCallback(pl.Callback):
 
     def sample_stats(self, trainer: pl.Trainer, module: pl.LightningModule) -> tuple[FeatureStats, torch.Tensor]:
         """Feature statistics of this process's share of the samples (summed over processes) and its first images."""
-        stats, grid, left = FeatureStats(), [], _share(self.num_samples, trainer.global_rank, trainer.world_size)
+        left = _share(self.num_samples, trainer.global_rank, trainer.world_size)
+        stats, grid = FeatureStats(keep=KID_FEATURES), []
         extractor = self.features(module.device)
         was_training = module.training
         module.eval()
@@ -139,9 +147,14 @@ class FIDCallback(pl.Callback):
                 extractor=self.features(module.device), barrier=trainer.strategy.barrier,
                 is_writer=trainer.is_global_zero)
         stats, grid = self.sample_stats(trainer, module)
-        fid = frechet_distance(stats, self._reference)
-        module.log("val/fid", fid, on_epoch=True, sync_dist=False)  # the same value on every process
+        quality = sample_quality(stats, self._reference, seed=self.seed)
+        fid = quality["fid"]
+        # the same values on every process
+        module.log("val/fid", fid, on_epoch=True, sync_dist=False)
         module.log("val/fid_samples", float(self.num_samples), on_epoch=True, sync_dist=False)
+        if quality["kid"] is not None:
+            module.log("val/kid", quality["kid"], on_epoch=True, sync_dist=False)
+            module.log("val/kid_std", quality["kid_std"], on_epoch=True, sync_dist=False)
         if trainer.is_global_zero and len(grid):
             save_image_grid(grid, run_dir(trainer) / "fid" / f"epoch_{trainer.current_epoch:04d}.png")
         self._new_best = fid < self.best_fid

@@ -1,5 +1,8 @@
-"""Evaluation helpers: activation-memory measurement and parameter counts."""
+"""Evaluation: activation memory and parameter counts; sample quality (FID and KID) by job: the Inception network
+and its weights (``inception``), feature statistics (``statistics``), the cache of reference statistics
+(``reference``) and the metrics themselves (``quality``); AIS log-likelihoods (``ais``)."""
 
 from .memory import SavedTensorMeter, parameter_count
+from .quality import kernel_inception_distance, sample_quality
 
-__all__ = ["SavedTensorMeter", "parameter_count"]
+__all__ = ["SavedTensorMeter", "kernel_inception_distance", "parameter_count", "sample_quality"]

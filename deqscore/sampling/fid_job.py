@@ -16,7 +16,10 @@ import torch
 from ..data.errors import CorruptDataError, DataNotFoundError
 from ..errors import ConfigError
 from ..files import staged
-from ..metrics.fid import FeatureStats, InceptionFeatures, dataset_stats, frechet_distance, load_stats
+from ..metrics.inception import InceptionFeatures
+from ..metrics.quality import sample_quality
+from ..metrics.reference import dataset_stats, load_stats
+from ..metrics.statistics import FeatureStats
 
 
 def _usage(message: str) -> None:
@@ -29,7 +32,8 @@ def _data_module(source: dict[str, str], data_dir: str | None) -> Any:
     """The training data module a checkpoint records (its class and folder; ``data_dir`` overrides the folder)."""
     module_name, _, class_name = source["class_path"].rpartition(".")
     cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(data_dir=data_dir or source["data_dir"])
+    options = {k: v for k, v in source.items() if k not in ("class_path", "data_dir")}  # e.g. a folder's image size
+    return cls(data_dir=data_dir or source["data_dir"], **options)
 
 
 @dataclass
@@ -40,7 +44,7 @@ class FIDJob:
     reference: FeatureStats
     reference_label: str
     meta: dict[str, Any]
-    stats: FeatureStats = field(default_factory=FeatureStats)
+    stats: FeatureStats = field(default_factory=lambda: FeatureStats(keep=10_000))  # features kept for KID
 
     @classmethod
     def prepare(cls, args: argparse.Namespace, module: Any, device: torch.device) -> FIDJob:
@@ -74,8 +78,8 @@ class FIDJob:
         return observed
 
     def finish(self, path: Path) -> dict[str, Any]:
-        """The FID, written with its sample count and reference to ``path`` (JSON, atomically); the report."""
-        report = {"fid": frechet_distance(self.stats, self.reference), "num_samples": int(self.stats.count),
+        """FID@N and KID, written with the sample count and the reference to ``path`` (JSON, atomically); the report."""
+        report = {**sample_quality(self.stats, self.reference, seed=self.meta.get("seed") or 0),
                   "reference": self.reference_label, **self.meta}
         with staged([path]) as (tmp,):
             tmp.write_text(json.dumps(report, indent=1) + "\n")

@@ -48,7 +48,9 @@ def test_fid_under_ddp_is_that_of_the_samples_of_both_processes(tmp_path):
     their union (features summed across processes), recomputed here in one process."""
     from deqscore.lightning import load_module
     from deqscore.lightning.callbacks import read_metrics_csv
-    from deqscore.metrics.fid import InceptionFeatures, frechet_distance, image_stats, load_stats, stats_file
+    from deqscore.metrics.inception import InceptionFeatures
+    from deqscore.metrics.reference import image_stats, load_stats, stats_file
+    from deqscore.metrics.statistics import frechet_distance
 
     n, reference = 6, 10
     args = ["train.py", "fit", *tiny_args(tmp_path, "configs/ncsn/explicit_mnist.yaml", "fid"), "--trainer.max_epochs",

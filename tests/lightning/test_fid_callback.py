@@ -15,7 +15,9 @@ from deqscore.lightning import load_module
 from deqscore.lightning.callbacks import read_metrics_csv
 from deqscore.lightning.cli import main, run
 from deqscore.lightning.fid import BEST_FID_FILE, _share
-from deqscore.metrics.fid import InceptionFeatures, frechet_distance, image_stats, load_stats, stats_file
+from deqscore.metrics.inception import InceptionFeatures
+from deqscore.metrics.reference import image_stats, load_stats, stats_file
+from deqscore.metrics.statistics import frechet_distance
 
 from .conftest import tiny_args
 

