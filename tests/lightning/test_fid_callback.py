@@ -15,6 +15,7 @@ from deqscore.lightning import load_module
 from deqscore.lightning.callbacks import read_metrics_csv
 from deqscore.lightning.cli import main, run
 from deqscore.lightning.fid import BEST_FID_FILE, _share
+from deqscore.metrics import kernel_inception_distance
 from deqscore.metrics.inception import InceptionFeatures
 from deqscore.metrics.reference import image_stats, load_stats, stats_file
 from deqscore.metrics.statistics import frechet_distance
@@ -51,6 +52,9 @@ def test_logged_fid_is_the_distance_of_the_averaged_models_seeded_samples(fid_ru
     images = torch.cat([module.sample_images(k) for k in (BATCH, N - BATCH)])
     stats = image_stats(images, InceptionFeatures())
     assert frechet_distance(stats, reference) == pytest.approx(fids[1], rel=1e-4)
+    # the KID of the same samples' features, logged beside it (the callback and sample.py share one function)
+    kid = kernel_inception_distance(stats.features, torch.as_tensor(reference.features), seed=0)
+    assert [v for _, v in logged["val/kid"]][1] == pytest.approx(kid["kid"], rel=1e-3, abs=1e-6)
     # the reference is the statistics of the first REFERENCE training images
     from deqscore.data import MNISTDataModule
 
@@ -101,6 +105,12 @@ def test_sample_script_writes_the_fid_of_its_samples(fid_run, tmp_path, capsys):
                                 load_stats(stats_file(key, fid_run / "stats"), key))
     assert report["fid"] == pytest.approx(expected, rel=1e-6)
     assert f"FID {report['fid']:.3f} from {N} samples" in capsys.readouterr().out
+    # KID of the same features, against the reference features the cache keeps (all of them here)
+    reference = load_stats(stats_file(key, fid_run / "stats"), key)
+    assert report["label"] == f"FID@{N}" and reference.features.shape == (REFERENCE, 2048)
+    features = InceptionFeatures()(images)
+    kid = kernel_inception_distance(features, torch.as_tensor(reference.features), seed=report["seed"] or 0)
+    assert report["kid"] == pytest.approx(kid["kid"], rel=1e-4) and report["kid_subset_size"] == min(N, REFERENCE)
 
 
 @pytest.mark.parametrize(("extra", "message"), [
