@@ -1,11 +1,11 @@
-"""Draw samples from any deqscore checkpoint (see :mod:`deqscore.sampling.cli` for the outputs):
+"""Draw samples from any deqscore checkpoint (see :mod:`deqscore.cli.sample` for the outputs):
 
     python sample.py --checkpoint checkpoints/demo/checkpoints/last.ckpt --num-samples 100 --out samples/
 """
 
 import sys
 
-from deqscore.sampling.cli import main
+from deqscore.cli.sample import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,7 +2,7 @@
 
 import sys
 
-from deqscore.lightning.cli import run
+from deqscore.cli.train import run
 
 if __name__ == "__main__":
     sys.exit(run())

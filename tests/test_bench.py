@@ -18,10 +18,10 @@ from deqscore.bench.measure import make_inputs
 from deqscore.bench.ncsn import build_ncsn
 from deqscore.bench.settings import FORCED_TOL, QUICK, SECTIONS
 from deqscore.bench.vae import build_vae
+from deqscore.cli.train import main as train
 from deqscore.data import UCIDataModule
 from deqscore.deq import DEQ, get_solver
 from deqscore.lightning import load_module
-from deqscore.lightning.cli import main as train
 from deqscore.models import DKEF
 from tests.lightning.conftest import tiny_args
 

@@ -34,8 +34,8 @@ VARIANTS = {"deq": "configs/ncsn/deq_mnist.yaml", "explicit": "configs/ncsn/expl
 
 def run_variant(name: str, args: argparse.Namespace) -> dict:
     """Fit then sample one variant with FID; its row."""
-    from ..lightning.cli import main as train
-    from ..sampling.cli import main as sample
+    from ..cli.sample import main as sample
+    from ..cli.train import main as train
 
     warnings.filterwarnings("ignore", "LightningCLI's args parameter is intended")
     runs_root = Path(args.runs_root)

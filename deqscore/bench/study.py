@@ -50,7 +50,7 @@ TEST_KEYS = ("test/log_likelihood", "test/bits_per_dim", "test/exact_sm", "test/
 
 def run_variant(name: str, epochs: int, runs_root: Path, extra: list[str]) -> dict:
     """Fit then test one variant; return its row."""
-    from ..lightning.cli import main
+    from ..cli.train import main
 
     # the runs are CLI calls made from Python while this script has its own argv
     warnings.filterwarnings("ignore", "LightningCLI's args parameter is intended")

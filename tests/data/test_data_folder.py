@@ -74,7 +74,7 @@ def test_skip_unreadable_leaves_bad_files_out_and_counts_them(tmp_path):
 
 
 def test_the_cli_trains_an_ncsn_on_a_folder(tmp_path):
-    from deqscore.lightning.cli import main
+    from deqscore.cli.train import main
 
     _write(tmp_path / "images", 12, size=(10, 10))
     cli = main(["fit", "--config", "configs/ncsn/deq_mnist.yaml", "--data", "deqscore.data.ImageFolderDataModule",

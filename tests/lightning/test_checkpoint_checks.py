@@ -4,7 +4,7 @@ dimension (both dimensions named), optimiser states that do not match the module
 import pytest
 import torch
 
-from deqscore.lightning.cli import run
+from deqscore.cli.train import run
 
 from .conftest import UCI_DATA, tiny_args
 

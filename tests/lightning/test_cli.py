@@ -4,10 +4,10 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
+from deqscore.cli.train import DeqscoreCLI, main, run
 from deqscore.deq import DEQ
 from deqscore.errors import ConfigError
 from deqscore.lightning import CheckpointFamilyError, NonFiniteLossError, build_module, load_module
-from deqscore.lightning.cli import DeqscoreCLI, main, run
 from deqscore.lightning.nice import NICE_LOSSES
 
 from .conftest import FAMILY_TINY, ROOT, tiny_args
@@ -292,3 +292,25 @@ def test_nice_on_undequantised_pixels_is_a_usage_error(tmp_path, capsys):
     assert "accepted: 'logit', 'unit', 'logit_squeeze'" in err
     assert "Traceback" not in err
     assert not (tmp_path / "t").exists()  # refused before anything is written
+
+
+@pytest.mark.parametrize(("content", "what"), [("", "the file is empty"), ("- a\n- b\n", "the file is a YAML list")])
+def test_a_config_file_that_is_not_a_mapping_is_named(tmp_path, capsys, content, what):
+    path = tmp_path / "bad.yaml"
+    path.write_text(content)
+    assert run(["fit", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--config {path}: {what}" in err and "Traceback" not in err and len(err.splitlines()) == 1
+
+
+class RenamedDEQ(DEQ):
+    """A user's own DEQ layer under another name."""
+
+
+def test_deq_configs_are_recognised_by_their_class_not_their_name():
+    from deqscore.cli.train import _is_deq_config
+
+    assert _is_deq_config({"class_path": "deqscore.deq.DEQ"})
+    assert _is_deq_config({"class_path": f"{__name__}.RenamedDEQ"})
+    assert not _is_deq_config({"class_path": "torch.nn.Linear"})
+    assert not _is_deq_config({"class_path": "somewhere.else.DEQ"})  # a name alone is not a DEQ layer

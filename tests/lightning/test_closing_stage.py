@@ -6,8 +6,8 @@ import logging
 import pytest
 import torch
 
+from deqscore.cli.train import main, run
 from deqscore.errors import ConfigError
-from deqscore.lightning.cli import main, run
 from deqscore.lightning.dkef import DKEFModule
 
 from .conftest import UCI_DATA, tiny_args

@@ -7,9 +7,9 @@ import warnings
 import pytest
 import torch
 
+from deqscore.cli.train import main
 from deqscore.lightning import build_module
 from deqscore.lightning.callbacks import read_metrics_csv
-from deqscore.lightning.cli import main
 from deqscore.lightning.dkef import FINAL_STAGE_SEED
 
 from .conftest import UCI_DATA, tiny_args

@@ -6,10 +6,10 @@ import torch
 import yaml
 from pytorch_lightning.callbacks import ModelCheckpoint
 
+from deqscore.cli.train import DeqscoreCLI, main
 from deqscore.data.transforms import ImageCodec
 from deqscore.deq import DEQ
 from deqscore.lightning import ScoreModule, family_registry, load_module
-from deqscore.lightning.cli import DeqscoreCLI, main
 
 from .conftest import CONFIGS, FAMILY_TINY, ROOT, family_of, tiny_args
 

@@ -11,9 +11,9 @@ import torch
 import yaml
 
 import sample
+from deqscore.cli.train import main, run
 from deqscore.lightning import load_module
 from deqscore.lightning.callbacks import read_metrics_csv
-from deqscore.lightning.cli import main, run
 from deqscore.lightning.fid import BEST_FID_FILE, _share
 from deqscore.metrics import kernel_inception_distance
 from deqscore.metrics.inception import InceptionFeatures
@@ -130,7 +130,7 @@ def test_fid_without_training_images_or_statistics_names_the_missing_files(tmp_p
     import argparse
     from types import SimpleNamespace
 
-    from deqscore.sampling.fid_job import FIDJob
+    from deqscore.cli.fid_job import FIDJob
 
     args = argparse.Namespace(inception_weights=None, fid_stats=None, data_dir=str(tmp_path / "empty"),
                               reference_images=None, stats_root=str(tmp_path / "stats"), checkpoint="c.ckpt",

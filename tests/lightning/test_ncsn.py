@@ -6,10 +6,10 @@ import pytest
 import torch
 from pytorch_lightning import Callback
 
+from deqscore.cli.train import main
 from deqscore.deq import deq_backward
 from deqscore.errors import ConfigError
 from deqscore.lightning import build_module, load_module
-from deqscore.lightning.cli import main
 
 from .conftest import tiny_args
 

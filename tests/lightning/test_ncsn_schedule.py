@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from deqscore.cli.train import main
 from deqscore.errors import ConfigError
 from deqscore.lightning import load_module
-from deqscore.lightning.cli import main
 from deqscore.losses import noise_schedule
 from deqscore.losses.annealed import geometric_ratio, langevin_step_size, schedule_from_data
 

@@ -10,8 +10,8 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
+from deqscore.cli.train import main, run
 from deqscore.lightning.callbacks import read_metrics_csv
-from deqscore.lightning.cli import main, run
 from deqscore.lightning.runs import AtomicCheckpointIO, RunLock
 
 from .conftest import tiny_args

@@ -9,11 +9,11 @@ import pytorch_lightning as pl
 import torch
 
 import sample
+from deqscore.cli.train import main
 from deqscore.errors import ConfigError
 from deqscore.lightning import VAEModule, load_module
 from deqscore.lightning import vae as vae_module
 from deqscore.lightning.callbacks import read_metrics_csv
-from deqscore.lightning.cli import main
 from deqscore.metrics.ais import ais_log_likelihood
 from deqscore.metrics.inception import InceptionFeatures
 from deqscore.metrics.reference import image_stats, load_stats, stats_file

@@ -5,8 +5,8 @@ import pytest
 import torch
 import yaml
 
+from deqscore.cli.train import main
 from deqscore.lightning.callbacks import read_metrics_csv
-from deqscore.lightning.cli import main
 
 from .conftest import ROOT, tiny_args
 

@@ -23,7 +23,7 @@ from ..metrics.statistics import FeatureStats
 
 
 def _usage(message: str) -> None:
-    from ..lightning.cli import usage_error  # the CLI's one-line error (imported late: the CLI imports this module)
+    from .errors import usage_error
 
     usage_error(message)
 

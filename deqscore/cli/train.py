@@ -23,34 +23,17 @@ from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.utilities import rank_zero_info
 
 from ..data.errors import CorruptDataError, DataNotFoundError
+from ..deq import DEQ
 from ..errors import ConfigError
-from .base import CODEC_KEY, FAMILY_KEY, CheckpointFamilyError, ScoreModule
-from .callbacks import ConfiguredOptimizerOptions, SaveOnInterrupt
-from .checkpoint import read_checkpoint
-from .runs import AtomicCheckpointIO, RunLock, checkpoint_log_step, prepare_fresh_run, truncate_log_after
+from ..lightning import family_registry
+from ..lightning.base import CODEC_KEY, FAMILY_KEY, CheckpointFamilyError, ScoreModule
+from ..lightning.callbacks import ConfiguredOptimizerOptions, SaveOnInterrupt
+from ..lightning.checkpoint import read_checkpoint
+from ..lightning.runs import AtomicCheckpointIO, RunLock, checkpoint_log_step, prepare_fresh_run, truncate_log_after
+from .errors import UsageError, print_error, usage_error
 
 OPTIMIZER_HINT = "any torch.optim optimizer by class name or class_path, e.g. Adam, AdamW, SGD, RMSprop"
 LR_SCHEDULER_HINT = "any torch.optim.lr_scheduler class by name or class_path, e.g. StepLR, CosineAnnealingLR"
-
-
-class UsageError(SystemExit):
-    """A usage mistake reported as one message (exit status 2)."""
-
-    def __init__(self, message: str):
-        super().__init__(2)
-        self.message = message
-
-
-def print_error(message: str) -> None:
-    """``<program>: error: <message>`` on stderr."""
-    prog = Path(sys.argv[0]).name or "train.py"
-    sys.stderr.write(f"{prog}: error: {message.rstrip()}\n")
-
-
-def usage_error(message: str) -> NoReturn:
-    """Print ``error: <message>`` to stderr and exit with status 2 (no traceback)."""
-    print_error(message)
-    raise UsageError(message)
 
 
 def condense_parser_error(message: str) -> str:
@@ -117,10 +100,31 @@ def _logger_config(runs_root: str, run_name: str) -> list[Namespace]:
     return loggers
 
 
+def check_config_files(argv: list[str]) -> None:
+    """A usage error naming the file for a ``--config`` file that is empty or not a mapping of options (the parser's
+    own message, "Unexpected config", names neither)."""
+    import yaml
+
+    paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
+    paths += [a.split("=", 1)[1] for a in argv if isinstance(a, str) and a.startswith("--config=")]
+    for path in paths:
+        if not Path(path).is_file():
+            continue  # the parser names a missing file itself
+        try:
+            content = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as err:
+            usage_error(f"--config {path}: not a readable YAML file ({type(err).__name__}: {err})")
+        if not isinstance(content, dict):
+            what = "empty" if content is None else f"a YAML {type(content).__name__}"
+            usage_error(f"--config {path}: the file is {what}; a config is a mapping of options "
+                        "(seed_everything:, trainer:, model:, data:, ...), see configs/")
+
+
 class DeqscoreCLI(LightningCLI):
     """LightningCLI with a run name/directory and gradients enabled in evaluation."""
 
     def __init__(self, *args, **kwargs):
+        check_config_files(kwargs.get("args") if kwargs.get("args") is not None else sys.argv[1:])
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})  # re-running in a run dir must not abort
         trainer_defaults = {"inference_mode": False}  # score matching takes input gradients in val/test
         trainer_defaults.update(kwargs.pop("trainer_defaults", {}) or {})
@@ -232,8 +236,8 @@ def _check_checkpoint(path: str, class_path: str) -> dict[str, Any]:
         ckpt = read_checkpoint(path)
     except (FileNotFoundError, CheckpointFamilyError) as err:
         usage_error(f"ckpt_path: {err}")
-    module, _, name = class_path.rpartition(".")
-    family = getattr(getattr(sys.modules.get(module), name, None), "family", None)
+    family = next((f for f, cls in family_registry().items()
+                   if class_path in (f"{cls.__module__}.{cls.__qualname__}", cls.__qualname__)), None)
     if family and ckpt[FAMILY_KEY] != family:
         usage_error(f"ckpt_path: {path} holds a {ckpt[FAMILY_KEY]!r} model, but the config's model is {class_path} "
                     f"(family {family!r})")
@@ -241,7 +245,16 @@ def _check_checkpoint(path: str, class_path: str) -> dict[str, Any]:
 
 
 def _is_deq_config(value: Any) -> bool:
-    return isinstance(value, dict) and str(value.get("class_path", "")).rsplit(".", 1)[-1] == "DEQ"
+    """Whether ``value`` configures a DEQ layer: a class_path that resolves to :class:`deqscore.deq.DEQ` or a
+    subclass of it (a user's own layer included), whatever its name."""
+    if not isinstance(value, dict) or not isinstance(value.get("class_path"), str):
+        return False
+    module, _, name = value["class_path"].rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name, None) if module else None
+    except ImportError:
+        return False
+    return isinstance(cls, type) and issubclass(cls, DEQ)
 
 
 def _differences(saved: Any, given: Any, key: str) -> list[str]:
@@ -279,10 +292,7 @@ def checkpoint_conflicts(ckpt: dict[str, Any], cfg: Namespace) -> list[str]:
 
 def main(args: list[str] | None = None) -> DeqscoreCLI:
     """Entry point of ``train.py``."""
-    # Importing the families registers them as subclasses of ScoreModule for class_path lookup.
-    from . import dkef, ncsn, nice, vae  # noqa: F401
-
-    return DeqscoreCLI(args=args)
+    return DeqscoreCLI(args=args)  # the families are registered by importing deqscore.lightning
 
 
 def run(args: list[str] | None = None) -> int:

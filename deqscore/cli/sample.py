@@ -30,9 +30,9 @@ import torch
 
 from ..errors import ConfigError
 from ..lightning import CheckpointFamilyError, ScoreModule, load_module
-from ..lightning.cli import print_error, usage_error
+from ..sampling.stream import GRID_SIZE, OutputError, check_output_dir, stream_samples
+from .errors import print_error, usage_error
 from .fid_job import FIDJob
-from .stream import GRID_SIZE, OutputError, check_output_dir, stream_samples
 
 
 class Parser(argparse.ArgumentParser):
