@@ -60,24 +60,6 @@ def make_module(net: DKEF, s: Settings) -> DKEFModule:
     return module.train()
 
 
-class PinnedSavedTensorMeter(SavedTensorMeter):
-    """:class:`SavedTensorMeter` that keeps every saved tensor alive until it exits. The meter tells storages apart
-    by address; a storage freed during the step (a sub-graph dropped before backward) could hand its address to a
-    later one, which would then go uncounted, by a varying amount. Pinned, every storage keeps its address."""
-
-    def __init__(self, exclude=()):
-        super().__init__(exclude)
-        self._pinned: list[torch.Tensor] = []
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        self._pinned.append(t)
-        return super()._pack(t)
-
-    def __exit__(self, *exc: object) -> None:
-        super().__exit__(*exc)
-        self._pinned.clear()
-
-
 def loss_and_backward(module: DKEFModule, x: torch.Tensor) -> float:
     """Forward and backward of one two-stage training step (no optimiser update); the mean loss."""
     loss = module.compute_loss(x).mean()
@@ -89,7 +71,7 @@ def step_activation_mib(module: DKEFModule, x: torch.Tensor) -> float:
     """Activation memory (MiB) of one training step: storages saved for backward, parameters excluded."""
     params = list(module.parameters())
     module.zero_grad(set_to_none=True)
-    with PinnedSavedTensorMeter(exclude=params) as meter:
+    with SavedTensorMeter(exclude=params) as meter:
         loss_and_backward(module, x)
     module.zero_grad(set_to_none=True)
     return meter.bytes / MIB
@@ -188,7 +170,7 @@ def train(module: DKEFModule, data: DKEFData, s: Settings, device: torch.device)
             sync(device)
             start = time.perf_counter()
             if i == 0:  # the warm-up step: its saved tensors are counted
-                with PinnedSavedTensorMeter(exclude=params) as meter:
+                with SavedTensorMeter(exclude=params) as meter:
                     losses.append(loss_and_backward(module, x))
                 act_mib = meter.bytes / MIB
             else:

@@ -24,7 +24,7 @@ from pytorch_lightning.utilities import rank_zero_info
 from ..data.protocol import EpochData
 from ..errors import ConfigError
 from ..losses import Loss
-from ..metrics import SavedTensorMeter, parameter_count
+from ..metrics import parameter_count, step_activation_bytes
 from .callbacks import run_dir
 
 
@@ -110,7 +110,8 @@ class ResumeFixes(pl.Callback):
 
 class RunFacts(pl.Callback):
     """Once per run, at its first training batch: ``run/parameters`` and ``run/activation_memory_mb`` (the tensors
-    autograd saves for one training step's loss, parameters excluded), logged on the step axis of the per-step
+    autograd saves in the forward and backward of one batch's objective, parameters excluded: the benchmark's
+    meter, :func:`deqscore.metrics.step_activation_bytes`), logged on the step axis of the per-step
     metrics, and the losses with every option resolved."""
 
     def __init__(self) -> None:
@@ -124,15 +125,9 @@ class RunFacts(pl.Callback):
     def _log(self, trainer: pl.Trainer, module: pl.LightningModule, x: torch.Tensor) -> None:
         if x.is_cuda:
             torch.cuda.reset_peak_memory_stats(x.device)
-        # forked RNG and restored buffers (batch-norm statistics): the measurement must not change the step itself,
-        # nor make a resumed run (which measures again) differ from one that ran straight through
-        buffers = {name: b.clone() for name, b in module.named_buffers()}
-        with torch.random.fork_rng(), SavedTensorMeter(exclude=module.parameters()) as meter, torch.enable_grad():
-            module.loss_terms(module.prepare_batch(x))
-        with torch.no_grad():
-            for name, b in module.named_buffers():
-                b.copy_(buffers[name])
-        facts = {"run/parameters": float(parameter_count(module)), "run/activation_memory_mb": meter.bytes / 2**20}
+        # the forward and backward of the batch's objective, measured without changing the run
+        saved = step_activation_bytes(lambda: module.loss_terms(module.prepare_batch(x))["loss"].backward(), module)
+        facts = {"run/parameters": float(parameter_count(module)), "run/activation_memory_mb": saved / 2**20}
         if x.is_cuda:
             facts["run/max_memory_allocated_mb"] = torch.cuda.max_memory_allocated(x.device) / 2**20
         losses = {k: repr(v) for k, v in vars(module).items() if isinstance(v, Loss)}

@@ -1,4 +1,5 @@
-"""Activation memory: bytes of tensors autograd saves for backward, parameters excluded.
+"""Activation memory: bytes of the tensors autograd saves for backward during one training step (forward and
+backward), parameters excluded. One meter serves the benchmark and the figure a training run logs.
 
 >>> import torch
 >>> lin = torch.nn.Linear(10, 10)
@@ -10,7 +11,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -25,16 +27,21 @@ def _storage_key(t: torch.Tensor) -> tuple:
 class SavedTensorMeter:
     """Context manager summing the distinct storages autograd saves while active.
 
-    Each storage is counted once (a tensor saved by several nodes is one allocation); storages of the
-    tensors in ``exclude`` (the parameters) are not counted, since they exist whether or not autograd records.
+    Each storage is counted once (a tensor saved by several nodes is one allocation); storages of the tensors in
+    ``exclude`` (the parameters) are not counted, since they exist whether or not autograd records. Storages are
+    told apart by address, so every saved tensor is kept alive until the meter exits: a storage freed during the
+    step (a sub-graph dropped before backward) would otherwise hand its address to a later one, which would then go
+    uncounted.
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()):
         self._excluded = {_storage_key(p) for p in exclude}
         self._seen: dict[tuple, int] = {}
+        self._pinned: list[torch.Tensor] = []
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self._pinned.append(t)
         key = _storage_key(t)
         if key not in self._excluded and key not in self._seen:
             try:
@@ -53,6 +60,28 @@ class SavedTensorMeter:
 
     def __exit__(self, *exc: object) -> None:
         self._ctx.__exit__(*exc)
+        self._pinned.clear()
+
+
+def step_activation_bytes(step: Callable[[], Any], module: torch.nn.Module) -> int:
+    """Bytes saved for backward by ``step()`` (a training step's forward and backward) of ``module``'s
+    parameters excluded, leaving no trace: the RNG is forked, buffers (batch-norm statistics) and gradients are
+    restored, so the measured step does not change the run (nor make a resumed run, which measures again, differ)."""
+    params = list(module.parameters())
+    grads = [p.grad for p in params]
+    buffers = {name: b.clone() for name, b in module.named_buffers()}
+    for p in params:
+        p.grad = None
+    try:
+        with torch.random.fork_rng(), SavedTensorMeter(exclude=params) as meter, torch.enable_grad():
+            step()
+    finally:
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                b.copy_(buffers[name])
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+    return meter.bytes
 
 
 def parameter_count(module: torch.nn.Module, trainable_only: bool = True) -> int:
