@@ -260,3 +260,14 @@ def test_vae_rows_compare_explicit_and_deq_score_networks(result):
             assert r["act_mib"] > 0 and r["iteration_ms"] > 0 and (r["solver_iters"] is not None) == (kind == "deq")
         ratio = next(r for r in rows if r["model"] == f"ratio DEQ / explicit, {short}")
         assert ratio["act_mib"] == f"{deq['act_mib'] / explicit['act_mib']:.3f}x"
+
+
+def test_the_ncsn_benchmark_takes_its_noise_schedule_from_the_config():
+    from deqscore.bench.ncsn import config_sigmas
+    from deqscore.bench.settings import FULL
+
+    sigmas = config_sigmas(FULL)  # configs/ncsn/deq_cifar10.yaml: 50 -> 0.01 over 232 geometric levels
+    assert len(sigmas) == 232 and float(sigmas[0]) == pytest.approx(50.0) and float(sigmas[-1]) == pytest.approx(0.01)
+    ratios = sigmas[:-1] / sigmas[1:]
+    assert torch.allclose(ratios, ratios[0].expand_as(ratios), rtol=1e-5)
+    assert len(config_sigmas(QUICK)) == QUICK.ncsn_levels

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import sample
+from deqscore.cli import sample as sampling_cli
 from deqscore.data.transforms import ImageCodec
 from deqscore.lightning import build_module, load_module
 from deqscore.sampling import NpyAppender, OutputError, check_output_dir, stream_samples
-from deqscore.cli import sample as sampling_cli
 from deqscore.sampling import stream as stream_mod
 
 TINY_NICE = {"class_path": "deqscore.lightning.NICEModule",

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import torch
 
 from ..deq import DEQ
-from ..losses import annealed_dsm, annealed_ssm_vr, noise_schedule
+from ..losses import annealed_dsm, annealed_ssm_vr
 from ..metrics import parameter_count
 from ..models import NCSN
 from .measure import log, measure_step, timed
@@ -26,6 +27,21 @@ from .settings import Settings
 BODIES = (("shallow explicit", "shallow", None), ("DEQ, phantom", "deq", "phantom"), ("DEQ, IFT", "deq", "ift"),
           ("NCSNv2", "ncsnv2", None))
 LOSSES: dict[str, Callable] = {"annealed_dsm": annealed_dsm, "annealed_ssm_vr": annealed_ssm_vr}
+
+
+def config_sigmas(s: Settings) -> torch.Tensor:
+    """The noise levels of ``s.ncsn_config``, as NCSNModule builds them from it (``s.ncsn_levels`` levels when
+    set, for a smaller run): the schedule has one definition, the module's."""
+    import yaml
+
+    from ..lightning import build_module
+
+    model = yaml.safe_load((Path(__file__).resolve().parents[2] / s.ncsn_config).read_text())["model"]
+    init = {k: v for k, v in model["init_args"].items() if k in ("schedule", "sigma_max", "sigma_min", "n_levels")}
+    if s.ncsn_levels is not None:
+        init["n_levels"] = s.ncsn_levels
+    net = {"class_path": "deqscore.models.NCSN", "init_args": {"dim": 3 * 8 * 8, "ngf": 2, "body": "shallow"}}
+    return build_module({"class_path": model["class_path"], "init_args": {**init, "net": net}}).sigmas
 
 
 def build_ncsn(s: Settings, body: str, backward: str | None) -> NCSN:
@@ -92,7 +108,7 @@ def ncsn(s: Settings, device: torch.device) -> Table:
         Column("eval_ms_per_image", "sampling: ms per evaluation per image", ".2f"),
         Column("sample_s_per_image", "sampling: s per image (schedule)", ".2f"),
     ])
-    sigmas = noise_schedule("geometric", s.ncsn_sigma_max, s.ncsn_sigma_min, s.ncsn_levels).float()
+    sigmas = config_sigmas(s)
     gen = torch.Generator().manual_seed(s.seed)
     x = torch.rand(s.ncsn_batch, 3 * s.ncsn_side**2, generator=gen).to(device)
     for loss in s.ncsn_losses:
@@ -104,7 +120,8 @@ def ncsn(s: Settings, device: torch.device) -> Table:
             table.rows.append(_langevin_row(s, label, body, sigmas, device))
     table.notes += [
         f"Random images in [0, 1], batch {s.ncsn_batch}, {s.ncsn_side}x{s.ncsn_side}x3, ngf {s.ncsn_ngf}, float32; "
-        f"geometric schedule {s.ncsn_sigma_max:g} -> {s.ncsn_sigma_min:g} over {s.ncsn_levels} levels (CIFAR-10). "
+        f"noise schedule of {s.ncsn_config}: {float(sigmas[0]):g} -> {float(sigmas[-1]):g} over {len(sigmas)} "
+        "levels. "
         f"One training step = the annealed loss's forward and backward (no optimiser update), the same draws each "
         f"time. DEQ: {s.ncsn_solver}, tol {s.ncsn_tol:g} ({s.ncsn_stop_mode}), max_iter {s.ncsn_max_iter}, "
         "injection pre-step and one phantom step (the CIFAR-10 config's gradient), cold start; IFT is shown for DSM "
@@ -114,6 +131,6 @@ def ncsn(s: Settings, device: torch.device) -> Table:
         "excluded); the ratio rows divide by NCSNv2's row of the same loss.",
         f"Sampling: one network evaluation on a batch of {s.ncsn_sample_batch} in eval mode without a graph (DEQ "
         f"warm-started from the previous evaluation, as NCSNModule.sample does), per image; s per image multiplies it "
-        f"by the schedule's {s.ncsn_levels} levels x {s.ncsn_langevin_steps} steps + 1 denoising evaluation.",
+        f"by the schedule's {len(sigmas)} levels x {s.ncsn_langevin_steps} steps + 1 denoising evaluation.",
     ]
     return table

@@ -92,9 +92,8 @@ class Settings:
     ncsn_ngf: int = 128
     ncsn_batch: int = 128
     ncsn_losses: tuple[str, ...] = ("annealed_dsm", "annealed_ssm_vr")
-    ncsn_sigma_max: float = 50.0  # the CIFAR-10 schedule
-    ncsn_sigma_min: float = 0.01
-    ncsn_levels: int = 232
+    ncsn_config: str = "configs/ncsn/deq_cifar10.yaml"  # the noise schedule is this config's (CIFAR-10)
+    ncsn_levels: int | None = None  # None: the config's number of levels
     ncsn_langevin_steps: int = 5  # per level
     ncsn_sample_batch: int = 128
     ncsn_solver: str = "anderson"  # the reference's Picard at an absolute 1e-5 over the whole batch runs to
