@@ -1,8 +1,7 @@
-"""Train, validate or test any deqscore model: ``python train.py fit --config configs/nice/deq.yaml``."""
+"""Train, validate or test any deqscore model: ``python train.py fit --config configs/nice/deq.yaml`` (installed:
+``deqscore-train``)."""
 
-import sys
-
-from deqscore.cli.train import run
+from deqscore.cli.train import console
 
 if __name__ == "__main__":
-    sys.exit(run())
+    console()

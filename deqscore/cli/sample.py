@@ -157,3 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FID {report['fid']:.3f} from {report['num_samples']} samples against {report['reference']} "
               f"(written to {Path(args.out) / 'fid.json'})")
     return 0
+
+
+def console() -> None:
+    """The ``deqscore-sample`` command (what ``python sample.py`` does, for an installed package)."""
+    raise SystemExit(main())

@@ -305,3 +305,8 @@ def run(args: list[str] | None = None) -> int:
         print_error(str(err))
         return 2
     return 0
+
+
+def console() -> None:
+    """The ``deqscore-train`` command (what ``python train.py`` does, for an installed package)."""
+    sys.exit(run())
