@@ -100,6 +100,24 @@ def _logger_config(runs_root: str, run_name: str) -> list[Namespace]:
     return loggers
 
 
+def _add_loggers(given: Any, runs_root: str, run_name: str) -> list[Namespace]:
+    """The run's CSV log (and TensorBoard when installed), always in this run's directory, with the loggers the
+    config or command line gives added beside them, not instead; a given TensorBoard logger keeps its own options
+    but writes into the run directory too. A logger list recorded in a run's config.yaml adds up to itself."""
+    defaults = _logger_config(runs_root, run_name)
+    extra = [] if given in (None, True) else list(given) if isinstance(given, list) else [given]
+    out = list(defaults)
+    for logger in extra:
+        class_path = logger.get("class_path") if isinstance(logger, Namespace | dict) else None
+        mine = next((i for i, d in enumerate(defaults) if d.class_path == class_path), None)
+        if mine is None:
+            out.append(logger)
+        elif class_path.endswith("TensorBoardLogger"):  # their options, in the run directory
+            init = dict(logger.get("init_args") or {}) | dict(defaults[mine].init_args)
+            out[mine] = Namespace(class_path=class_path, init_args=Namespace(**init))
+    return out
+
+
 def check_config_files(argv: list[str]) -> None:
     """A usage error naming the file for a ``--config`` file that is empty or not a mapping of options (the parser's
     own message, "Unexpected config", names neither)."""
@@ -203,8 +221,8 @@ class DeqscoreCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config
-        if cfg.trainer.logger in (None, True):
-            cfg.trainer.logger = _logger_config(cfg.runs_root, cfg.run_name)
+        if cfg.trainer.logger is not False:  # false: no logger at all, as asked
+            cfg.trainer.logger = _add_loggers(cfg.trainer.logger, cfg.runs_root, cfg.run_name)
         cfg.trainer.default_root_dir = str(Path(cfg.runs_root) / cfg.run_name)
         if cfg.trainer.inference_mode:
             usage_error("trainer.inference_mode must be false: score matching needs input gradients")

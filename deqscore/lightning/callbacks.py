@@ -53,8 +53,13 @@ class SampleGrid(pl.Callback):
     def _write(self, trainer: pl.Trainer, module: pl.LightningModule, path: Path) -> None:
         was_training = module.training
         module.eval()
-        save_image_grid(module.sample_images(self.n_samples), path)
+        images = module.sample_images(self.n_samples)
+        save_image_grid(images, path)
         module.train(was_training)
+        for logger in trainer.loggers:  # TensorBoard shows the same grids as images, on the step axis
+            add_images = getattr(getattr(logger, "experiment", None), "add_images", None)
+            if callable(add_images) and type(logger).__name__ == "TensorBoardLogger":
+                add_images(f"samples/{path.stem}", images.float().clamp(0, 1).cpu(), trainer.global_step)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
