@@ -118,6 +118,17 @@ def _add_loggers(given: Any, runs_root: str, run_name: str) -> list[Namespace]:
     return out
 
 
+def launch_rank() -> int:
+    """This process's global rank as its launcher set it, before any process group exists (0 when launched
+    alone): torchrun's ``RANK``, SLURM's ``SLURM_PROCID``, or ``NODE_RANK`` with ``LOCAL_RANK`` (Lightning's own
+    launcher and manual multi-node launches); non-zero for every process but the first of the first node."""
+    for variable in ("RANK", "SLURM_PROCID"):
+        if variable in os.environ:
+            return int(os.environ[variable])
+    node, local = int(os.environ.get("NODE_RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    return 0 if node == local == 0 else 1 + node * 1000 + local
+
+
 def check_config_files(argv: list[str]) -> None:
     """A usage error naming the file for a ``--config`` file that is empty or not a mapping of options (the parser's
     own message, "Unexpected config", names neither)."""
@@ -177,7 +188,7 @@ class DeqscoreCLI(LightningCLI):
         cfg = self.config[subcommand]
         run_dir = Path(cfg.runs_root) / cfg.run_name
         self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
-        if os.environ.get("LOCAL_RANK", "0") != "0":  # DDP workers: rank zero holds the directory
+        if launch_rank() != 0:  # DDP workers, on this node or another: global rank zero holds the directory
             return super()._run_subcommand(subcommand)
         for part in (self.model, *self.trainer.callbacks):  # refusals that would otherwise come at setup
             if hasattr(part, "check_run"):

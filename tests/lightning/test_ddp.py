@@ -112,3 +112,44 @@ def test_vae_under_plain_ddp_is_a_usage_error(tmp_path):
     proc = _run(args, returncode=2)
     assert "ddp_find_unused_parameters_true" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "vae").exists()  # refused before anything is written
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_nodes(args, tmp_path):
+    """Two processes as two nodes of one process each, on this machine (Lightning's manual multi-node launch)."""
+    port = _free_port()
+    procs = []
+    for node in (0, 1):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "NODE_RANK": str(node), "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+        procs.append(subprocess.Popen([sys.executable, *args, "--trainer.num_nodes", "2", "--trainer.devices", "1"],
+                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out[-2000:] + err[-3000:]
+
+
+def test_two_nodes_train_checkpoint_and_resume_as_two_processes_on_one(tmp_path):
+    base = ["train.py", "fit", "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu"]
+    nodes = [*base, *tiny_args(tmp_path, "configs/nice/explicit.yaml", "nodes"), "--trainer.max_steps", "2"]
+    single = [*base, *tiny_args(tmp_path, "configs/nice/explicit.yaml", "single"), "--trainer.max_steps", "4",
+              "--trainer.devices", "2"]
+    _two_nodes(nodes, tmp_path)
+    run = tmp_path / "nodes"
+    assert (run / "checkpoints" / "last.ckpt").is_file() and not (tmp_path / "nodes.1").exists()
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 2
+    _two_nodes(["train.py", "fit", "--config", str(run / "config.yaml"), "--trainer.max_steps", "4",
+                "--ckpt_path", str(run / "checkpoints" / "last.ckpt")], tmp_path)
+    _run(single)
+    resumed = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    straight = torch.load(tmp_path / "single" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert resumed["global_step"] == straight["global_step"] == 4
+    for key, value in straight["state_dict"].items():
+        assert torch.allclose(resumed["state_dict"][key], value, rtol=1e-5, atol=1e-6), key
