@@ -125,8 +125,15 @@ class RunFacts(pl.Callback):
     def _log(self, trainer: pl.Trainer, module: pl.LightningModule, x: torch.Tensor) -> None:
         if x.is_cuda:
             torch.cuda.reset_peak_memory_stats(x.device)
-        # the forward and backward of the batch's objective, measured without changing the run
-        saved = step_activation_bytes(lambda: module.loss_terms(module.prepare_batch(x))["loss"].backward(), module)
+        # the forward and backward of the batch's objective, measured without changing the run; the backward as
+        # autograd.grad, which accumulates nothing and so fires no DDP gradient hook outside a training step
+        params = [p for p in module.parameters() if p.requires_grad]
+
+        def step() -> None:
+            loss = module.loss_terms(module.prepare_batch(x))["loss"]
+            torch.autograd.grad(loss, params, allow_unused=True)
+
+        saved = step_activation_bytes(step, module)
         facts = {"run/parameters": float(parameter_count(module)), "run/activation_memory_mb": saved / 2**20}
         if x.is_cuda:
             facts["run/max_memory_allocated_mb"] = torch.cuda.max_memory_allocated(x.device) / 2**20
