@@ -85,3 +85,41 @@ def test_the_cli_trains_an_ncsn_on_a_folder(tmp_path):
                 "--run_name", "own", "--trainer.enable_progress_bar", "false"])
     assert cli.model.net.dim == 3 * 8 * 8
     assert cli.model.data_source["image_size"] == 8 and cli.model.data_source["data_dir"] == str(tmp_path / "images")
+
+
+def test_the_lmdb_cache_holds_the_same_images(tmp_path):
+    _write(tmp_path / "images", 10)
+    plain = ImageFolderDataModule(data_dir=str(tmp_path / "images"), image_size=4, transform="pixels")
+    cached = ImageFolderDataModule(data_dir=str(tmp_path / "images"), image_size=4, transform="pixels", use_lmdb=True)
+    cached.prepare_data()
+    assert cached.lmdb_path(True).is_dir() and ".deqscore_lmdb_4" in str(cached.lmdb_path(True))
+    plain.setup("fit")
+    cached.setup("fit")
+    assert len(plain.train_dataset) == len(cached.train_dataset)
+    for i in range(len(plain.train_dataset)):
+        assert np.array_equal(plain.train_dataset[i][0].numpy(), cached.train_dataset[i][0].numpy())
+    # the cache inside the folder is not read as images
+    assert len(ImageFolderDataModule(data_dir=str(tmp_path / "images"), image_size=4)._splits[True]) == 9
+
+
+def test_sample_fid_rebuilds_the_folder_data_of_the_checkpoint(tmp_path, monkeypatch):
+    import json
+
+    import sample
+    from deqscore.cli.train import main
+
+    _write(tmp_path / "images", 12, size=(10, 10))
+    main(["fit", "--config", "configs/ncsn/explicit_mnist.yaml", "--data", "deqscore.data.ImageFolderDataModule",
+          "--data.init_args.data_dir", str(tmp_path / "images"), "--data.init_args.image_size", "8",
+          "--data.init_args.transform", "pixels", "--data.init_args.batch_size", "4",
+          "--model.init_args.net.init_args.channels", "3", "--model.init_args.net.init_args.ngf", "4",
+          "--model.init_args.n_levels", "3", "--model.init_args.sampler.init_args.n_steps_each", "1",
+          "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0", "--runs_root", str(tmp_path),
+          "--run_name", "own", "--trainer.enable_progress_bar", "false"])
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    code = sample.main(["--checkpoint", str(tmp_path / "own" / "checkpoints" / "last.ckpt"), "--num-samples", "4",
+                        "--out", str(tmp_path / "s"), "--fid", "--stats-root", str(tmp_path / "stats")])
+    assert code == 0
+    report = json.loads((tmp_path / "s" / "fid.json").read_text())
+    assert report["num_samples"] == 4 and report["reference"].endswith("train (11 images)")  # the folder's split
+    assert list((tmp_path / "stats").glob("folder-images-*_train_8x8_n11.npz"))
