@@ -186,15 +186,19 @@ class DEQ(nn.Module):
         value = value.detach().to(torch.float32)
         self._pending[name] = self._pending[name] + value if name in self._pending else value
 
+    def take_deferred(self) -> dict[str, torch.Tensor]:
+        """The device counters since the last take (emptied), for a layer with ``check_every != 1``: ``solves``,
+        ``unconverged`` (forward solves that missed ``tol``) and ``backward_failures`` (IFT backward solves that
+        missed ``ift_tol``). Reading them is the caller's host sync (batched with others by the training step)."""
+        pending, self._pending = self._pending, {}
+        return pending
+
     def read_deferred(self) -> dict[str, float]:
-        """Counts since the last call, for a layer with ``check_every != 1``: ``solves``, ``unconverged`` (forward
-        solves that missed ``tol``) and ``backward_failures`` (IFT backward solves that missed ``ift_tol``).
-        One host sync for all of them; warns once (:class:`DEQConvergenceWarning`) if any solve missed."""
-        if not self._pending:
+        """:meth:`take_deferred` read with one host sync, warned about by :meth:`report_deferred`."""
+        pending = self.take_deferred()
+        if not pending:
             return {}
-        names = list(self._pending)
-        values = dict(zip(names, torch.stack([self._pending[n] for n in names]).tolist(), strict=True))
-        self._pending = {}
+        values = dict(zip(pending, torch.stack(list(pending.values())).tolist(), strict=True))
         self.report_deferred(values)
         return values
 
