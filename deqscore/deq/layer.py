@@ -164,7 +164,10 @@ class DEQ(nn.Module):
             return z0.detach()
         cache = self.z_cache
         reusable = cache is not None and cache.shape == u.shape and cache.device == u.device
-        return cache if self._warm and reusable else torch.zeros_like(u)
+        if not (self._warm and reusable):
+            return torch.zeros_like(u)
+        # a cache from a half-precision (autocast) step used outside autocast: in the input's dtype (a no-op else)
+        return cache if torch.is_autocast_enabled(u.device.type) else cache.to(u.dtype)
 
     @property
     def _warm(self) -> bool:
