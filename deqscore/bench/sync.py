@@ -228,7 +228,7 @@ def sync_rows(steps: int, runs_root: str) -> list[dict[str, Any]]:
         iters = {"max_iter": math.ceil(default.get("nstep", 12))}
         if family == "ncsn":  # one DEQ layer, one IFT backward solve per step: its checks are its iterations
             backward = sum(n for site, n in default["deqscore_sites"].items() if site.startswith("tolist layer.py"))
-            iters["ift_max_iter"] = max(1, math.ceil(backward / (steps + 1)))
+            iters["ift_max_iter"] = max(1, math.ceil(backward / steps))
         log(f"{family} default: {_summary(default)}; fast with {iters}")
         fast = measure_family(family, True, steps, runs_root, extra=fast_args(**iters))
         fast["fixed_iterations"] = iters
@@ -346,7 +346,7 @@ def _markdown(report: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in report["syncs"]:
-        iters = r.get("fixed_iterations") or {"max_iter": r.get("nstep")}
+        iters = r.get("fixed_iterations") or {"nstep (last step)": r.get("nstep")}
         lines.append(
             f"| {r['family']} | {r['configuration']} | {r['deqscore_syncs_mean']:.1f}, {r['deqscore_syncs_max']} | "
             f"{r['lightning_syncs_mean']:.1f} | {r['other_syncs_mean']:.1f} | {r['step_ms_median']:.0f} | "
@@ -358,7 +358,8 @@ def _markdown(report: dict[str, Any]) -> str:
         "calling frame's package; steps after the first (which measures the run's facts), Lightning's logging in "
         "between included. *other*: torch's own (on this run Adam's per-parameter `step` counters, CPU tensors that "
         "are no device wait on a GPU either; EMA's swap checks for NCSN). Fast: `SyncFreeSteps` callback, DEQ "
-        "`check_every: 0` with the default run's mean iterations as the fixed count. Small sizes (NICE hidden 64, "
+        "`check_every: 0` with the default run's iterations (its last step's `deq/nstep`; NCSN's IFT backward: "
+        "its backward iterations per step) as the fixed counts. Small sizes (NICE hidden 64, "
         "NCSN ngf 8, batch 32): on a CPU the step time shows the overhead of the syncs' Python calls, not the "
         "device idle time they cause on a GPU.",
         "",
@@ -391,17 +392,28 @@ def _markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+SECTIONS = ("syncs", "bf16_gradient", "nice_run")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=12, help="training steps per sync row")
     parser.add_argument("--run-steps", type=int, default=200, help="steps of the short bf16 vs 32-bit NICE run")
     parser.add_argument("--hidden", type=int, default=1000, help="DEQ block width of the bf16 gradient rows")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                        help="measure only these; the others are kept from an existing sync.json in --out")
     args = parser.parse_args(argv)
     runs_root = tempfile.mkdtemp(prefix="deqscore-sync-")
-    report = {"device": device_label(), "torch": torch.__version__, "lightning": pl.__version__,
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "syncs": sync_rows(args.steps, runs_root),
-              "bf16_gradient": bf16_gradient_rows(args.hidden), "nice_run": nice_run_rows(args.run_steps, runs_root)}
+    previous = args.out / "sync.json"
+    report = json.loads(previous.read_text()) if set(args.sections) != set(SECTIONS) else {}
+    report |= {"device": device_label(), "torch": torch.__version__, "lightning": pl.__version__,
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    measure = {"syncs": lambda: sync_rows(args.steps, runs_root),
+               "bf16_gradient": lambda: bf16_gradient_rows(args.hidden),
+               "nice_run": lambda: nice_run_rows(args.run_steps, runs_root)}
+    for section in args.sections:
+        report[section] = measure[section]()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sync.json").write_text(json.dumps(report, indent=1))
     (args.out / "sync.md").write_text(_markdown(report))

@@ -105,9 +105,10 @@ def test_converged_deferred_solves_are_not_warned():
 @pytest.mark.parametrize("solver", ["anderson", "broyden", "picard"])
 @pytest.mark.parametrize("backward", ["phantom", "ift", "unroll"])
 def test_the_solve_runs_in_float32_under_bfloat16_autocast(solver, backward):
-    # Anderson's linalg.solve_ex has no bfloat16 kernel; a bfloat16 residual cannot meet tol 1e-5
+    # Anderson's linalg.solve_ex has no bfloat16 kernel; a bfloat16 residual cannot meet tol 1e-5. The injection
+    # comes in bfloat16, as from an autocast layer before the DEQ.
     layer = DEQ(Map(), solver=solver, max_iter=60, tol=1e-5, backward=backward)
-    u = torch.randn(4, 6, requires_grad=True)
+    u = torch.randn(4, 6).to(torch.bfloat16).requires_grad_(True)
     with torch.autocast("cpu", dtype=torch.bfloat16), warnings.catch_warnings():
         warnings.simplefilter("error", DEQConvergenceWarning)
         z = layer(u)
@@ -116,7 +117,7 @@ def test_the_solve_runs_in_float32_under_bfloat16_autocast(solver, backward):
     assert torch.isfinite(u.grad).all() and all(torch.isfinite(p.grad).all() for p in layer.parameters())
     # the float32 fixed point, to bfloat16 accuracy where the phantom steps ran in bfloat16
     with torch.no_grad():
-        z32 = DEQ(Map(), solver=solver, max_iter=60, tol=1e-5, backward="phantom")(u)
+        z32 = DEQ(Map(), solver=solver, max_iter=60, tol=1e-5, backward="phantom")(u.float())
     assert torch.allclose(z.float(), z32, atol=2e-2)
 
 
