@@ -13,6 +13,16 @@ records depends on ``backward``:
   through it would silently be wrong; the hook therefore raises when called with grad mode on
   (``create_graph=True``).
 
+Under autocast (``--trainer.precision bf16-mixed`` / ``16-mixed``) the solve, its residuals, the Anderson and
+Broyden linear algebra and the IFT backward run in float32 with autocast disabled (inputs upcast: a bfloat16
+residual cannot meet a tolerance of 1e-5, and ``linalg.solve`` has no bfloat16 kernel); the phantom steps, the
+only differentiable part, run under the surrounding autocast.
+
+``check_every`` trades the per-iteration host sync of the stopping test for fewer checks: with ``k > 1`` the
+residual is read every ``k``-th iteration, with ``0`` never (``max_iter`` iterations, the same for the IFT
+backward with ``ift_max_iter``). The statistics then stay device tensors (:meth:`DEQ.read_deferred` reads them
+together), and non-convergence is counted on the device and warned when they are read.
+
 >>> import torch
 >>> from torch import nn
 >>> class Map(nn.Module):
@@ -39,7 +49,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, check_count, check_real, choice_error
-from .solvers import Solver, SolverStats, check_stopping, get_solver, picard
+from .solvers import Solver, SolverStats, check_every_count, check_stopping, get_solver, picard
 
 BACKWARD_MODES = ("phantom", "unroll", "ift")
 # The highest order of derivative through the layer that each backward mode gives correctly (None: any order).
@@ -88,6 +98,9 @@ class DEQ(nn.Module):
             ``"unroll"``, whose derivative depends on the start).
         ift_max_iter, ift_tol: iteration cap and tolerance of the IFT backward's fixed-point solve.
         warn_on_nonconvergence: emit :class:`DEQConvergenceWarning` when ``max_iter`` is hit.
+        check_every: host convergence test every this many iterations of the forward solve and of the IFT
+            backward's (1: every iteration, today's behaviour; 0: never, fixed ``max_iter`` / ``ift_max_iter``
+            iterations); other than 1, nothing in the solve waits for the device (see the module docstring).
     """
 
     def __init__(
@@ -106,6 +119,7 @@ class DEQ(nn.Module):
         ift_max_iter: int = 200,
         ift_tol: float = 1e-8,
         warn_on_nonconvergence: bool = True,
+        check_every: int = 1,
     ):
         super().__init__()
         get_solver(solver)  # fail early on unknown names
@@ -114,6 +128,7 @@ class DEQ(nn.Module):
         _check_counts(max_iter, phantom_steps, ift_max_iter)
         check_real("DEQ phantom_damping", phantom_damping, high=1.0)
         check_real("DEQ ift_tol", ift_tol)
+        check_every_count(check_every)
         self.func = func
         self.solver = solver
         self.max_iter = max_iter
@@ -128,7 +143,11 @@ class DEQ(nn.Module):
         self.ift_max_iter = ift_max_iter
         self.ift_tol = ift_tol
         self.warn_on_nonconvergence = warn_on_nonconvergence
+        self.check_every = check_every
         self.stats: SolverStats | None = None
+        # check_every != 1: device counters since the last read_deferred() (not in checkpoints, like z_cache):
+        # solves that missed their tolerance, IFT backward solves that missed theirs, and solves counted
+        self._pending: dict[str, torch.Tensor] = {}
         # Plain data, never in checkpoints; every process (DDP rank) keeps its own. Not a buffer: the set of a
         # module's buffers must not change when a forward fills the cache (weight averaging pairs buffers by order).
         self.z_cache: torch.Tensor | None = None
@@ -137,6 +156,7 @@ class DEQ(nn.Module):
         return (
             f"solver={self.solver}, max_iter={self.max_iter}, tol={self.tol}, backward={self.backward}, "
             f"phantom_steps={self.phantom_steps}, phantom_damping={self.phantom_damping}"
+            + (f", check_every={self.check_every}" if self.check_every != 1 else "")
         )
 
     def _start(self, u: torch.Tensor, z0: torch.Tensor | None) -> torch.Tensor:
@@ -144,7 +164,10 @@ class DEQ(nn.Module):
             return z0.detach()
         cache = self.z_cache
         reusable = cache is not None and cache.shape == u.shape and cache.device == u.device
-        return cache if self._warm and reusable else torch.zeros_like(u)
+        if not (self._warm and reusable):
+            return torch.zeros_like(u)
+        # a cache from a half-precision (autocast) step used outside autocast: in the input's dtype (a no-op else)
+        return cache if torch.is_autocast_enabled(u.device.type) else cache.to(u.dtype)
 
     @property
     def _warm(self) -> bool:
@@ -153,15 +176,54 @@ class DEQ(nn.Module):
         return self.warm_start and self.backward != "unroll"
 
     def _run_solver(self, solver: Solver, u: torch.Tensor, z_init: torch.Tensor) -> torch.Tensor:
+        # registered solvers of users need not know check_every: it is passed only when it is not the default
+        extra = {} if self.check_every == 1 else {"check_every": self.check_every}
         z, stats = solver(
             lambda z: self.func(z, u), z_init, tol=self.tol, max_iter=self.max_iter, stop_mode=self.stop_mode,
-            per_sample=self.per_sample,
+            per_sample=self.per_sample, **extra,
         )
         self._record(stats)
         return z
 
+    def _count(self, name: str, value: torch.Tensor) -> None:
+        value = value.detach().to(torch.float32)
+        self._pending[name] = self._pending[name] + value if name in self._pending else value
+
+    def take_deferred(self) -> dict[str, torch.Tensor]:
+        """The device counters since the last take (emptied), for a layer with ``check_every != 1``: ``solves``,
+        ``unconverged`` (forward solves that missed ``tol``) and ``backward_failures`` (IFT backward solves that
+        missed ``ift_tol``). Reading them is the caller's host sync (batched with others by the training step)."""
+        pending, self._pending = self._pending, {}
+        return pending
+
+    def read_deferred(self) -> dict[str, float]:
+        """:meth:`take_deferred` read with one host sync, warned about by :meth:`report_deferred`."""
+        pending = self.take_deferred()
+        if not pending:
+            return {}
+        values = dict(zip(pending, torch.stack(list(pending.values())).tolist(), strict=True))
+        self.report_deferred(values)
+        return values
+
+    def report_deferred(self, values: dict[str, float]) -> None:
+        """The warning of :meth:`read_deferred` for counts already read (by a caller that batched the sync)."""
+        missed, failed = values.get("unconverged", 0.0), values.get("backward_failures", 0.0)
+        if (missed or failed) and self.warn_on_nonconvergence:
+            warnings.warn(
+                f"DEQ solver {self.solver!r} (check_every={self.check_every}): {int(missed)} of "
+                f"{int(values.get('solves', 0))} solves since the last report did not meet tol {self.tol:.1e} in "
+                f"{self.max_iter} iterations; {int(failed)} IFT backward solves did not meet ift_tol "
+                f"{self.ift_tol:.1e}",
+                DEQConvergenceWarning,
+                stacklevel=3,
+            )
+
     def _record(self, stats: SolverStats) -> None:
         self.stats = stats
+        if stats.deferred:  # counted on the device, warned when read (at most once per read)
+            self._count("solves", torch.ones((), device=stats.converged.device))
+            self._count("unconverged", ~stats.converged)
+            return
         if not stats.converged and self.warn_on_nonconvergence:
             warnings.warn(
                 f"DEQ solver {stats.solver!r} did not converge in {stats.nstep} iterations: "
@@ -174,10 +236,11 @@ class DEQ(nn.Module):
     def forward(self, u: torch.Tensor, z0: torch.Tensor | None = None) -> torch.Tensor:
         z_init = self._start(u, z0)
         if self.backward == "unroll":  # every Picard iteration recorded by autograd
-            z = self._run_solver(picard, u, z_init)
+            with _float32_solve(u) as cast:
+                z = self._run_solver(picard, cast(u), cast(z_init))
         else:
-            with torch.no_grad():
-                z_star = self._run_solver(get_solver(self.solver), u.detach(), z_init)
+            with torch.no_grad(), _float32_solve(u) as cast:
+                z_star = self._run_solver(get_solver(self.solver), cast(u.detach()), cast(z_init))
             z = self._ift(z_star, u) if self.backward == "ift" else self._phantom(z_star, u)
         if self._warm:
             self.z_cache = z.detach().clone()
@@ -196,11 +259,12 @@ class DEQ(nn.Module):
         return z
 
     def _ift(self, z_star: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        z_in = z_star.detach().requires_grad_(True)
-        fz = self.func(z_in, u)
+        with _float32_solve(u) as cast:  # the backward solve iterates J^T g: float32, as the forward solve
+            z_in = cast(z_star.detach()).requires_grad_(True)
+            fz = self.func(z_in, cast(u))
         if not fz.requires_grad:  # nothing to differentiate (e.g. under no_grad)
             return fz
-        max_iter, tol = self.ift_max_iter, self.ift_tol
+        max_iter, tol, check_every = self.ift_max_iter, self.ift_tol, self.check_every
 
         def implicit_grad(grad: torch.Tensor) -> torch.Tensor:
             if torch.is_grad_enabled():
@@ -211,6 +275,8 @@ class DEQ(nn.Module):
                 )
             # Solve g = J^T g + grad, J = d func / d z at the fixed point, by fixed-point iteration.
             g = grad
+            if check_every != 1:
+                return self._ift_deferred(fz, z_in, grad, max_iter, tol, check_every)
             for _ in range(max_iter):
                 (jtg,) = torch.autograd.grad(fz, z_in, g, retain_graph=True)
                 g_new = jtg + grad
@@ -233,6 +299,33 @@ class DEQ(nn.Module):
         out = fz.view_as(fz)
         out.register_hook(implicit_grad)
         return out
+
+    def _ift_deferred(self, fz: torch.Tensor, z_in: torch.Tensor, grad: torch.Tensor, max_iter: int, tol: float,
+                      check_every: int) -> torch.Tensor:
+        """The IFT backward solve with the stopping test read every ``check_every`` iterations (0: never); a
+        failure to meet ``tol`` is counted on the device (``read_deferred``)."""
+        g, done = grad, torch.zeros((), dtype=torch.bool, device=grad.device)
+        for i in range(1, max_iter + 1):
+            (jtg,) = torch.autograd.grad(fz, z_in, g, retain_graph=True)
+            g_new = jtg + grad
+            done = (g_new - g).norm() <= tol * (g_new.norm() + 1e-30)
+            g = g_new
+            if check_every and i % check_every == 0 and bool(done):  # one sync per checked iteration
+                break
+        self._count("backward_failures", ~done)
+        return g
+
+
+@contextmanager
+def _float32_solve(u: torch.Tensor) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+    """Within an autocast region: autocast off and a cast of half-precision tensors to float32, for the solve.
+    Outside one (the default): nothing changes, the cast is the identity."""
+    device = u.device.type
+    if not torch.is_autocast_enabled(device):
+        yield lambda t: t
+        return
+    with torch.autocast(device, enabled=False):
+        yield lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
 DEQFactory = Callable[[nn.Module], DEQ]  # DEQ options bound (a config's ``deq:``), the fixed-point map still to come

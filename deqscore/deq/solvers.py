@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import check_real, choice_error
+from ..errors import ConfigError, check_real, choice_error
 
 Tensor = torch.Tensor
 FixedPointMap = Callable[[Tensor], Tensor]
@@ -40,25 +40,44 @@ class NonFiniteIterateError(FloatingPointError):
 
 @dataclass
 class SolverStats:
-    """What one solve did: iterations (function evaluations), final residuals and convergence."""
+    """What one solve did: iterations (function evaluations), final residuals and convergence.
+
+    A solve with ``check_every != 1`` leaves the residuals and the converged flag as device tensors (reading
+    them is a host sync); :meth:`resolved` gives the plain numbers.
+    """
 
     solver: str
     nstep: int
-    abs_residual: float
-    rel_residual: float
-    converged: bool
+    abs_residual: float | Tensor
+    rel_residual: float | Tensor
+    converged: bool | Tensor
     tol: float
     stop_mode: str
     per_sample: bool
     history: list[float] = field(default_factory=list)
 
+    @property
+    def deferred(self) -> bool:
+        """True while the numbers are device tensors."""
+        return isinstance(self.converged, Tensor)
+
+    def resolved(self) -> SolverStats:
+        """These statistics with plain numbers (one host sync if they are device tensors)."""
+        if not self.deferred:
+            return self
+        abs_r, rel_r, conv = torch.stack([torch.as_tensor(v, dtype=torch.float32).to(self.converged.device)
+                                          for v in (self.abs_residual, self.rel_residual, self.converged)]).tolist()
+        return SolverStats(self.solver, self.nstep, abs_r, rel_r, bool(conv), self.tol, self.stop_mode,
+                           self.per_sample, list(self.history))
+
     def as_dict(self) -> dict[str, float]:
         """Numbers for loggers."""
+        stats = self.resolved()
         return {
-            "nstep": float(self.nstep),
-            "abs_residual": self.abs_residual,
-            "rel_residual": self.rel_residual,
-            "converged": float(self.converged),
+            "nstep": float(stats.nstep),
+            "abs_residual": float(stats.abs_residual),
+            "rel_residual": float(stats.rel_residual),
+            "converged": float(stats.converged),
         }
 
 
@@ -97,14 +116,30 @@ def check_stopping(tol: float, stop_mode: str) -> None:
     check_real("DEQ tol", tol)
 
 
-class _Monitor:
-    """Residual bookkeeping shared by all solvers (stopping rule, NaN check, history)."""
+def check_every_count(check_every: int) -> None:
+    """Raise :class:`ConfigError` for a ``check_every`` that is not a count >= 0."""
+    if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
+        raise ConfigError(f"DEQ check_every must be an integer >= 0 (1: check every iteration, k: every k-th, "
+                          f"0: never, max_iter iterations), got {check_every!r}")
 
-    def __init__(self, name: str, tol: float, stop_mode: str, per_sample: bool):
+
+class _Monitor:
+    """Residual bookkeeping shared by all solvers (stopping rule, NaN check, history).
+
+    ``check_every=1`` reads the residual on the host at every iteration (a device sync each). Otherwise the
+    residual is computed on the device at every iteration and read only at every ``check_every``-th one (never
+    for 0: the solve runs ``max_iter`` iterations); the final numbers stay device tensors in the stats. A NaN/Inf
+    iterate is then not raised here: it reaches the output, and the training step's finiteness guard stops it.
+    """
+
+    def __init__(self, name: str, tol: float, stop_mode: str, per_sample: bool, check_every: int = 1):
         check_stopping(tol, stop_mode)
+        check_every_count(check_every)
         self.name, self.tol, self.stop_mode, self.per_sample = name, tol, stop_mode, per_sample
+        self.check_every = check_every
         self.history: list[float] = []
-        self.abs = self.rel = float("inf")
+        self.abs: float | Tensor = float("inf")
+        self.rel: float | Tensor = float("inf")
         self.nstep = 0
 
     def update(self, z: Tensor, fz: Tensor) -> bool:
@@ -118,20 +153,29 @@ class _Monitor:
         else:
             abs_t = diff.norm()
             numbers = torch.stack([abs_t, abs_t / (fz.norm() + 1e-12)])
-        self.abs, self.rel = numbers.tolist()  # one device sync per iteration
-        if not math.isfinite(self.abs):  # a NaN/Inf anywhere in f(z) makes the norm non-finite
+        if self.check_every != 1:  # the numbers stay on the device; read only at a checked iteration
+            self.abs, self.rel = numbers[0], numbers[1]
+            if self.check_every == 0 or self.nstep % self.check_every:
+                return False
+        abs_r, rel_r = numbers.tolist()  # one device sync per (checked) iteration
+        if self.check_every == 1:
+            self.abs, self.rel = abs_r, rel_r
+        if not math.isfinite(abs_r):  # a NaN/Inf anywhere in f(z) makes the norm non-finite
             raise NonFiniteIterateError(
                 f"DEQ solver {self.name!r}: non-finite values (NaN/Inf) in the iterate at iteration "
                 f"{self.nstep}; the fixed-point map diverged (check its contraction/normalisation)"
             )
-        crit = self.abs if self.stop_mode == "abs" else self.rel
+        crit = abs_r if self.stop_mode == "abs" else rel_r
         self.history.append(crit)
         return crit < self.tol
 
     def stats(self, converged: bool) -> SolverStats:
+        abs_r, rel_r = self.abs, self.rel
+        conv: bool | Tensor = converged
+        if isinstance(abs_r, Tensor) and isinstance(rel_r, Tensor):  # check_every != 1: decided on the device
+            conv = (abs_r if self.stop_mode == "abs" else rel_r) < self.tol
         return SolverStats(
-            self.name, self.nstep, self.abs, self.rel, converged, self.tol, self.stop_mode, self.per_sample,
-            self.history,
+            self.name, self.nstep, abs_r, rel_r, conv, self.tol, self.stop_mode, self.per_sample, self.history,
         )
 
 
@@ -148,9 +192,10 @@ def picard(
     max_iter: int = 128,
     stop_mode: str = "abs",
     per_sample: bool = False,
+    check_every: int = 1,
 ) -> tuple[Tensor, SolverStats]:
     """Plain fixed-point iteration ``z <- f(z)``; returns the last image ``f(z)``."""
-    mon = _Monitor("picard", tol, stop_mode, per_sample)
+    mon = _Monitor("picard", tol, stop_mode, per_sample, check_every)
     z = z0
     converged = False
     for _ in range(max_iter):
@@ -171,6 +216,7 @@ def anderson(
     max_iter: int = 128,
     stop_mode: str = "abs",
     per_sample: bool = False,
+    check_every: int = 1,
     m: int = 5,
     lam: float = 1e-4,
     beta: float = 1.0,
@@ -179,7 +225,7 @@ def anderson(
     shape = z0.shape
     bsz = shape[0]
     fl = _flat(f, shape)
-    mon = _Monitor("anderson", tol, stop_mode, per_sample)
+    mon = _Monitor("anderson", tol, stop_mode, per_sample, check_every)
     x = z0.reshape(bsz, -1)
     d = x.shape[1]
     X = x.new_zeros(bsz, m, d)  # past iterates
@@ -238,6 +284,7 @@ def broyden(
     max_iter: int = 128,
     stop_mode: str = "abs",
     per_sample: bool = False,
+    check_every: int = 1,
     memory: int = 64,
 ) -> tuple[Tensor, SolverStats]:
     """Limited-memory ("good") Broyden's method on ``g(z) = f(z) - z``, per sample.
@@ -249,7 +296,7 @@ def broyden(
     shape = z0.shape
     bsz = shape[0]
     fl = _flat(f, shape)
-    mon = _Monitor("broyden", tol, stop_mode, per_sample)
+    mon = _Monitor("broyden", tol, stop_mode, per_sample, check_every)
     x = z0.reshape(bsz, -1)
     fx = fl(x)
     gx = fx - x

@@ -26,6 +26,12 @@ hyper-parameters a checkpoint needs to rebuild the module, and a family tag in c
 Optimisers come from LightningCLI's ``optimizer:``/``lr_scheduler:`` keys (a family with several optimisers
 declares them in its own signature).
 
+Sync-free training steps (``sync_free_steps``, switched on by the
+:class:`~deqscore.lightning.run_hooks.SyncFreeSteps` callback): the finiteness checks of the step's inputs, loss
+and gradients (:mod:`deqscore.finite`) and, at logging steps, the DEQ layers' deferred statistics are read
+together by one host sync in :meth:`ScoreModule.on_before_optimizer_step`, before the update; per-step scalars
+are logged as device tensors.
+
 Score matching needs input gradients in validation and test too, so every step runs under
 ``torch.enable_grad()``; trainers must be built with ``inference_mode=False`` (inference mode cannot be
 undone by ``enable_grad``), which the CLI sets.
@@ -45,6 +51,7 @@ from ..data.protocol import ImageData
 from ..data.transforms import ImageCodec
 from ..deq import DEQ
 from ..errors import ConfigError
+from ..finite import DeferredChecks, active_checks, deferred_checks
 from ..losses import Loss
 from .run_hooks import ClosingStage, ResumeFixes, RunFacts, StepSeeding, batch_inputs
 
@@ -83,6 +90,10 @@ class ScoreModule(pl.LightningModule):
     """Base class; subclasses set ``family``, take ``net`` (and their options) and implement the hooks."""
 
     family: ClassVar[str] = ""
+    #: one host sync per training step for deqscore's checks (see the module docstring); off: every check reads
+    #: its own result at once, as a plain eager step does
+    sync_free_steps: bool = False
+    _checks: DeferredChecks | None = None  # the pending checks of the current (sync-free) training step
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -165,10 +176,20 @@ class ScoreModule(pl.LightningModule):
     def deq_layers(self) -> list[DEQ]:
         return [m for m in self.modules() if isinstance(m, DEQ)]
 
-    def _deq_stats(self) -> dict[str, float]:
+    def _deq_stats(self) -> dict[str, float | torch.Tensor]:
         stats = [d.stats for d in self.deq_layers() if d.stats is not None]
         if not stats:
             return {}
+        if any(s.deferred for s in stats):  # device tensors (check_every != 1): logged without a host sync
+            device = next(s.converged.device for s in stats if s.deferred)
+            as_t = lambda v: torch.as_tensor(v, dtype=torch.float32).to(device)  # noqa: E731
+            return {
+                # a fill kernel, not a host-to-device copy (which would wait for the device)
+                "deq/nstep": torch.full((), sum(s.nstep for s in stats) / len(stats), device=device),
+                "deq/abs_residual": torch.stack([as_t(s.abs_residual) for s in stats]).max(),
+                "deq/rel_residual": torch.stack([as_t(s.rel_residual) for s in stats]).max(),
+                "deq/converged": torch.stack([as_t(s.converged) for s in stats]).min(),
+            }
         return {
             "deq/nstep": sum(s.nstep for s in stats) / len(stats),
             "deq/abs_residual": max(s.abs_residual for s in stats),
@@ -197,7 +218,12 @@ class ScoreModule(pl.LightningModule):
         return loss
 
     def check_finite(self, loss: torch.Tensor, stage: str) -> None:
-        """Raise :class:`NonFiniteLossError` for a NaN/Inf loss, before any update."""
+        """Raise :class:`NonFiniteLossError` for a NaN/Inf loss, before any update (in a sync-free step: recorded,
+        and raised by :meth:`on_before_optimizer_step`)."""
+        checks = active_checks()
+        if checks is not None:
+            checks.add(torch.isfinite(loss).all(), f"{stage} loss")
+            return
         if not torch.isfinite(loss):
             raise NonFiniteLossError(
                 f"non-finite {stage} loss ({loss.item()}) at global step {self.global_step}, epoch "
@@ -215,7 +241,12 @@ class ScoreModule(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if not self.automatic_optimization:
             return self._manual_step(batch)
-        loss = self.model_step(batch, "train", batch_idx)
+        if self.sync_free_steps:  # kept until on_before_optimizer_step (across accumulated batches too)
+            self._checks = self._checks if self._checks is not None else DeferredChecks()
+            with deferred_checks(self._checks):
+                loss = self.model_step(batch, "train", batch_idx)
+        else:
+            loss = self.model_step(batch, "train", batch_idx)
         # Parameters that do not affect the score (an energy's output bias, say) get no gradient from a
         # score-matching loss, and DDP's reducer fails on parameters outside the graph. A zero-weighted touch
         # puts them in the graph with an exact zero gradient.
@@ -229,8 +260,14 @@ class ScoreModule(pl.LightningModule):
         optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
         losses: dict[str, list[torch.Tensor]] = defaultdict(list)
         for index, name, loss_fn in self.optimizer_steps(x):
-            loss = loss_fn().mean()
-            self.check_finite(loss, "train")
+            if self.sync_free_steps:  # read by the on_before_optimizer_step of this optimiser's step
+                self._checks = DeferredChecks()
+                with deferred_checks(self._checks):
+                    loss = loss_fn().mean()
+                    self.check_finite(loss, "train")
+            else:
+                loss = loss_fn().mean()
+                self.check_finite(loss, "train")
             optimizers[index].zero_grad()
             self.manual_backward(loss)
             optimizers[index].step()
@@ -244,8 +281,19 @@ class ScoreModule(pl.LightningModule):
     def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self.model_step(batch, "test", batch_idx)
 
+    def _grad_scaler(self) -> Any:
+        """The precision plugin's gradient scaler (``16-mixed``), or None."""
+        trainer = self._trainer
+        return getattr(getattr(trainer, "precision_plugin", None), "scaler", None) if trainer is not None else None
+
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        named = [(name, p.grad) for name, p in self.named_parameters() if p.grad is not None]
+        # Under 16-mixed a non-finite gradient is the gradient scaler's business: it skips that update and lowers
+        # the scale (the first steps overflow by design); the loss and input checks still stop the run.
+        named = [] if self._grad_scaler() is not None else [
+            (name, p.grad) for name, p in self.named_parameters() if p.grad is not None]
+        if self.sync_free_steps:
+            self._sync_free_guard(named)
+            return
         finite = torch.stack([torch.isfinite(g).all() for _, g in named]) if named else torch.ones(0, dtype=bool)
         if not bool(finite.all()):  # one device sync per step
             bad = [name for (name, _), ok in zip(named, finite.tolist(), strict=True) if not ok]
@@ -253,6 +301,33 @@ class ScoreModule(pl.LightningModule):
                 f"non-finite gradient of {bad} at global step {self.global_step}: training stopped before the "
                 "update, last good checkpoint kept"
             )
+
+    def _logging_step(self) -> bool:
+        trainer = self._trainer
+        return trainer is not None and (self.global_step + 1) % max(trainer.log_every_n_steps, 1) == 0
+
+    def _sync_free_guard(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """The one host sync of a sync-free training step: the step's finiteness checks (inputs, loss, every
+        gradient) and, at logging steps, the DEQ layers' convergence counts, read as one tensor."""
+        checks, self._checks = self._checks or DeferredChecks(), None
+        for name, grad in named:
+            checks.add(torch.isfinite(grad).all(), f"gradient of {name}")
+        pending = [(d, d.take_deferred()) for d in self.deq_layers()] if self._logging_step() else []
+        parts = [f.float() for f in checks.flags] + [v.float() for _, p in pending for v in p.values()]
+        values = torch.stack(parts).tolist() if parts else []  # the step's one host sync
+        bad = [name for name, ok in zip(checks.names, values, strict=False) if not ok]
+        if bad:
+            raise NonFiniteLossError(
+                f"non-finite {', '.join(bad)} at global step {self.global_step}, epoch {self.current_epoch}: "
+                "training stopped before the update, last good checkpoint kept"
+            )
+        total: dict[str, float] = defaultdict(float)
+        it = iter(values[len(checks):])
+        for _, p in pending:
+            for name in p:
+                total[name] += next(it)
+        if pending and total:  # one warning for all layers per logging interval
+            next(d for d, p in pending if p).report_deferred(dict(total))
 
     def configure_optimizers(self) -> Any:
         # LightningCLI replaces this method by the config's `optimizer:` (and `lr_scheduler:`) keys

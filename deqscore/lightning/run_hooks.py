@@ -8,6 +8,8 @@ family implements its model and nothing of this machinery:
 * :class:`ClosingStage`: a family's closing stage after fit (``ScoreModule.closing_stage``), saved as
   ``checkpoints/final.ckpt``.
 
+:class:`SyncFreeSteps` is not one of them: a run asks for it in its trainer's callbacks.
+
 Being the module's own callbacks, they also run for trainers built in Python, not only from the CLI.
 """
 
@@ -188,3 +190,20 @@ class ClosingStage(pl.Callback):
         if trainer.checkpoint_callback is not None:
             trainer.save_checkpoint(self.final_path(trainer))  # staged: a killed save leaves no partial file
         self._done = True
+
+
+class SyncFreeSteps(pl.Callback):
+    """Training steps with one host sync of deqscore's own: the module's finiteness guards (inputs, loss,
+    gradients) and, at logging steps, the DEQ layers' convergence counts are read together before the update
+    (``ScoreModule.sync_free_steps``; docs/method.md, "Sync-free training steps"). A non-finite step still
+    raises before it reaches the weights. The DEQ solves are sync-free when their layers have ``check_every: 0``
+    (fixed iteration counts); ``check_every: k`` keeps a host convergence test every k iterations.
+
+    ``--trainer.callbacks+=deqscore.lightning.run_hooks.SyncFreeSteps``
+    """
+
+    def setup(self, trainer: pl.Trainer, module: pl.LightningModule, stage: str) -> None:
+        module.sync_free_steps = True
+
+    def teardown(self, trainer: pl.Trainer, module: pl.LightningModule, stage: str) -> None:
+        module.sync_free_steps = False

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import ConfigError, check_count, check_real, choice_error
+from ..finite import require_finite
 from .score_matching import _dot, _flat_sq, checked_score, input_grad, prepare_input
 
 Tensor = torch.Tensor
@@ -146,9 +147,10 @@ def _checked_sigmas(sigmas: Tensor) -> Tensor:
     sigmas = torch.as_tensor(sigmas)
     if sigmas.dim() != 1 or len(sigmas) == 0:
         raise ValueError(f"sigmas must be a non-empty 1-D tensor of noise levels, got shape {tuple(sigmas.shape)}")
-    ok = torch.isfinite(sigmas) & (sigmas > 0)
-    if not ok.all():
-        raise ValueError(f"sigmas must be finite and positive, got {int((~ok).sum())} noise levels that are not")
+    positive = torch.where(sigmas > 0, sigmas, torch.nan)  # finite and positive <=> this is finite
+    # a module's schedule lives on its device: inside deqscore.finite.deferred_checks this is no host sync
+    require_finite(positive, lambda n: ValueError(f"sigmas must be finite and positive, got {n} noise levels "
+                                                  "that are not"), what="noise levels")
     return sigmas
 
 

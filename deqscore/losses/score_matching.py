@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import check_count, check_real
+from ..finite import require_finite
 
 Tensor = torch.Tensor
 ScoreFn = Callable[[Tensor], Tensor]
@@ -65,8 +66,8 @@ def prepare_input(x: Tensor) -> Tensor:
         raise ValueError(
             f"x must have shape [B, ...] (a batch dimension and at least one feature), got {tuple(x.shape)}"
         )
-    if not torch.isfinite(x).all():  # one host sync; the count only on failure
-        raise ValueError(f"x contains {int((~torch.isfinite(x)).sum())} non-finite values (NaN/Inf)")
+    # one host sync, or none inside deqscore.finite.deferred_checks (the step's guard reads it)
+    require_finite(x, lambda n: ValueError(f"x contains {n} non-finite values (NaN/Inf)"), what="loss input")
     return x.detach().requires_grad_(True)
 
 
@@ -164,9 +165,9 @@ def _per_sample(sigma: float | Tensor, x: Tensor) -> Tensor:
     if sig.shape != x.shape[:1]:
         raise ValueError(f"DSM sigma must be a float or a [B] tensor, got shape {tuple(sig.shape)}")
     if isinstance(sigma, Tensor):
-        ok = torch.isfinite(sig) & (sig > 0)
-        if not ok.all():
-            raise ValueError(f"DSM sigma must be finite and positive, got {int((~ok).sum())} noise levels that are not")
+        positive = torch.where(sig > 0, sig, torch.nan)  # finite and positive <=> this is finite
+        require_finite(positive, lambda n: ValueError(f"DSM sigma must be finite and positive, got {n} noise "
+                                                      "levels that are not"), what="DSM sigma")
     return sig.view(-1, *[1] * (x.dim() - 1))
 
 

@@ -496,8 +496,11 @@ class DKEF(nn.Module):
             raise ValueError(f"alpha system must be G [{self.n_centres}, {self.n_centres}] and b "
                              f"[{self.n_centres}], got {tuple(gram.shape)} and {tuple(b.shape)}")
         log_lambda = self.log_lambda if differentiable else self.log_lambda.detach()
+        if gram.dtype in (torch.float16, torch.bfloat16):  # under autocast: no half-precision LU, solve in float32
+            gram, b = gram.float(), b.float()
         eye = torch.eye(self.n_centres, dtype=gram.dtype, device=gram.device)
-        alpha, info = torch.linalg.solve_ex(gram + 10**log_lambda * eye, -b)
+        with torch.autocast(gram.device.type, enabled=False):
+            alpha, info = torch.linalg.solve_ex(gram + 10**log_lambda * eye, -b)
         if int(info) != 0 or not torch.isfinite(alpha).all():
             raise ValueError(
                 f"DKEF alpha solve failed: G + 10^log_lambda I is singular or ill-conditioned (log_lambda = "

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..deq import DEQ, DEQFactory
 from ..errors import ConfigError, check_count, check_real, choice_error
+from ..finite import require_finite
 
 M_NETS = ("explicit", "deq")
 
@@ -144,9 +145,9 @@ class NICE(nn.Module):
         finiteness test is a host sync)."""
         if x.dim() != 2 or x.shape[1] != self.dim:
             raise ValueError(f"NICE expects inputs of shape [B, {self.dim}], got {tuple(x.shape)}")
-        if not torch.isfinite(x).all():
-            n_bad = int((~torch.isfinite(x)).sum())
-            raise ValueError(f"the input to NICE contains {n_bad} non-finite values (NaN/Inf)")
+        # inside deqscore.finite.deferred_checks (a sync-free training step) the check joins the step's one flag
+        require_finite(x, lambda n: ValueError(f"the input to NICE contains {n} non-finite values (NaN/Inf)"),
+                       what="NICE input")
 
     def _couple(self, x: torch.Tensor, reverse: bool) -> torch.Tensor:
         """Apply the couplings (or undo them, in reverse order): coupling i updates the odd coordinates from
