@@ -5,25 +5,29 @@ No timing is asserted: the machine may be shared.
 
 from __future__ import annotations
 
+import inspect
 import json
-import math
-from dataclasses import replace
 
 import pytest
 import torch
+from torch import nn
 
+from deqscore.bench import dkef as bench_dkef
 from deqscore.bench import main, run
-from deqscore.bench.dkef import build_dkef, data_root, make_module, step_activation_mib
-from deqscore.bench.measure import make_inputs
-from deqscore.bench.ncsn import build_ncsn
+from deqscore.bench.configs import build, model_config
+from deqscore.bench.measure import MIB, loss_step_bytes, make_inputs
+from deqscore.bench.ncsn import BODIES, LOSSES, build_ncsn
+from deqscore.bench.ncsn import options as ncsn_options
 from deqscore.bench.settings import FORCED_TOL, QUICK, SECTIONS
-from deqscore.bench.vae import build_vae
-from deqscore.cli.train import main as train
-from deqscore.data import UCIDataModule
+from deqscore.bench.vae import ARCHS, build_vae
 from deqscore.deq import DEQ, get_solver
-from deqscore.lightning import load_module
-from deqscore.models import DKEF
+from deqscore.lightning import NCSNModule, build_module, load_module
+from deqscore.cli.train import DeqscoreCLI
+from deqscore.cli.train import main as train
+from deqscore.metrics import SavedTensorMeter, parameter_count
 from tests.lightning.conftest import tiny_args
+
+DKEF_RUN = bench_dkef.RUNS["quick"]
 
 
 @pytest.fixture(scope="module")
@@ -104,10 +108,9 @@ def test_solver_rows_report_convergence(result):
 
 def test_nice_section_reports_ratios_and_solver_iterations(result):
     rows = _rows(result[1], "nice")
-    deq = [r for r in rows if r["model"].startswith("deq")]
-    assert len(deq) == len(QUICK.nice_couplings)
-    assert all(r["solver_iters"] for r in deq)
-    assert sum(r["model"].startswith("ratio") for r in rows) == len(QUICK.nice_couplings)
+    deq = [r for r in rows if r["model"].startswith("DEQ")]
+    assert [r["solver_iters"].count(",") + 1 for r in deq] == [4, 2]  # one count per coupling
+    assert sum(r["model"].startswith("ratio") for r in rows) == 2
 
 
 def test_cli_runs_a_subset(tmp_path):
@@ -145,6 +148,59 @@ def test_solvers_on_a_trained_checkpoint(tmp_path):
             trained_checkpoint=tmp_path / "explicit" / "checkpoints" / "last.ckpt")
 
 
+# ---------------------------------------------------------------- the meter
+
+
+class _SquareSavingInBackward(torch.autograd.Function):
+    """``x^2``, whose backward records a graph of its own (as a backward under create_graph does): tanh saves
+    its output, a tensor of x's shape, while the backward runs."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            y = x.detach().requires_grad_(True)
+            torch.tanh(y * 3).sum()  # recorded: tanh saves its output (the product is of a leaf and a number)
+        return 2 * x * grad
+
+
+def test_meter_counts_the_backward_too():
+    w = nn.Parameter(torch.ones(8, 16))
+    module = nn.Module()
+    module.w = w
+    x = torch.randn(8, 16)
+
+    def loss() -> torch.Tensor:
+        return _SquareSavingInBackward.apply(w * x).sum()  # the product saves x (w is a parameter)
+
+    with SavedTensorMeter(exclude=[w]) as forward_only:
+        loss()
+    # forward: x (saved by the product) and w * x (saved by the function): 2 x 8 x 16 float32
+    assert forward_only.bytes == 2 * 8 * 16 * 4
+    # forward and backward: also the output of the tanh recorded inside the backward
+    assert loss_step_bytes(module, loss) == 3 * 8 * 16 * 4
+    assert w.grad is None
+
+
+def test_meter_leaves_gradients_buffers_and_rng_as_they_were():
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Dropout(0.5), nn.Linear(6, 1)).train()
+    x = torch.randn(16, 4)
+    for p in module.parameters():
+        p.grad = torch.full_like(p, 7.0)
+    stats = [b.clone() for b in module.buffers()]
+    state = torch.get_rng_state()
+    assert loss_step_bytes(module, lambda: module(x).pow(2).sum()) > 0
+    assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in module.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(module.buffers(), stats, strict=True))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 # ---------------------------------------------------------------- dkef
 
 
@@ -152,88 +208,103 @@ def _dkef_rows(doc: dict) -> list[dict]:
     return [r for r in _rows(doc, "dkef") if not r["model"].startswith("ratio")]
 
 
+def _cli_options(options: dict[str, object]) -> list[str]:
+    """Dotted model options as the training command line's arguments."""
+    return [f"--model.init_args.{'.init_args.'.join(k.split('.'))}={v}" for k, v in options.items()]
+
+
+def _trained_module(variant, dim: int, tmp_path) -> DeqscoreCLI:
+    """The module of ``variant`` as ``train.py`` builds it, with the benchmark's quick options on the command line."""
+    dm = bench_dkef.datamodule(variant, DKEF_RUN, "highdim", dim)
+    options = {k: v for k, v in bench_dkef.options(DKEF_RUN, dm).items() if k != "net.dim"}  # dim: from the data
+    data = ["--data.init_args.dataset=highdim", f"--data.init_args.dim={dim}",
+            f"--data.init_args.batch_size={DKEF_RUN.batch}"]
+    cli = DeqscoreCLI(args=["--config", variant.config, "--runs_root", str(tmp_path), *data, *_cli_options(options)],
+                      run=False)
+    cli.model.net.init_centres(dm.train_data, torch.Generator().manual_seed(0))  # as DKEFModule.setup does
+    return cli
+
+
 def test_dkef_rows_cover_every_data_set_and_net(result):
     rows = _dkef_rows(result[1])
-    expected = {("highdim", d) for d in QUICK.dkef_dims}
-    if data_root(QUICK).joinpath("winequality-red.csv").is_file():
+    expected = {("highdim", d) for d in DKEF_RUN.dims}
+    if bench_dkef.data_root().joinpath("winequality-red.csv").is_file():
         expected.add(("RedWine", 11))
     assert {(r["data"], r["dim"]) for r in rows} == expected
     for key in expected:
         nets = [r["model"] for r in rows if (r["data"], r["dim"]) == key]
         assert nets == ["explicit shallow", "explicit deep", "DEQ"]
-    assert all(r["steps"] == QUICK.dkef_steps and r["repeats"] == QUICK.dkef_steps - 1 for r in rows)
+    assert all(r["steps"] == DKEF_RUN.steps and r["repeats"] == DKEF_RUN.steps - 1 for r in rows)
 
 
-def test_dkef_parameter_counts_match_fresh_nets(result):
-    for row in _dkef_rows(result[1]):
-        kind = {"explicit shallow": "shallow", "explicit deep": "deep", "DEQ": "deq"}[row["model"]]
-        net = DKEF(row["dim"], QUICK.dkef_n_centres, QUICK.dkef_hidden, kind, QUICK.dkef_deep_layers)
-        assert row["params"] == sum(p.numel() for p in net.parameters())
+def test_dkef_rows_are_those_of_the_modules_training_builds(result, tmp_path):
+    """Parameters and activation memory of each row are those of the module train.py builds from the same config
+    (measured directly by the meter, on the same batch and draws)."""
+    for row in (r for r in _dkef_rows(result[1]) if r["data"] == "highdim"):
+        variant = next(v for v in bench_dkef.VARIANTS if v.label == row["model"])
+        cli = _trained_module(variant, row["dim"], tmp_path)
+        module, dm = cli.model.train(), cli.datamodule
+        dm.setup("fit")
+        assert row["params"] == parameter_count(module)
+        x = dm.train_data[: DKEF_RUN.batch]
+        torch.manual_seed(bench_dkef.MEMORY_SEED)
+        assert row["act_mib"] * MIB == loss_step_bytes(module, lambda m=module, x=x: m.loss_terms(x)["loss"])
 
 
-def test_dkef_memory_ordering_and_finite_results(result):
-    rows = _dkef_rows(result[1])
-    for key in {(r["data"], r["dim"]) for r in rows}:
-        by = {r["model"]: r for r in rows if (r["data"], r["dim"]) == key}
-        assert by["explicit deep"]["act_mib"] > by["explicit shallow"]["act_mib"] > 0
-        assert by["explicit deep"]["act_mib"] > by["DEQ"]["act_mib"] > 0
-        assert by["DEQ"]["solver_iters"] >= 1
-        ratio = result[1]["sections"]["dkef"]["meta"]["ratios_deq_over_deep"][f"{key[0]} {key[1]}"]
-        assert ratio["act_mib"] == pytest.approx(by["DEQ"]["act_mib"] / by["explicit deep"]["act_mib"])
-    for row in rows:
-        assert all(math.isfinite(row[k]) for k in ("test_ll", "log_z", "log_z_stderr", "final_loss"))
-        # the reported standard error is the delta-method one of the reported effective sample size
-        n = QUICK.dkef_log_z_samples if row["data"] == "highdim" else QUICK.dkef_log_z_samples_redwine
-        assert row["log_z_stderr"] == pytest.approx(math.sqrt((n / row["ess"] - 1) / (n - 1)), rel=1e-6)
-        if row["data"] == "highdim":  # the true N(0, I) quantities of the same test points
-            # trained from its N(0, 2^2 I) base (score -x/4), the model must beat the base's Fisher divergence to
-            # N(0, I), 0.5 E||3x/4||^2 = 9 D / 32
-            assert 0 < row["fisher"] < 9 * row["dim"] / 32, row
-            dm = UCIDataModule("highdim", dim=row["dim"], seed=QUICK.dkef_data_seed)
-            dm.setup()
-            assert row["true_ll"] == pytest.approx(dm.true_log_prob(dm.test_data).mean().item(), rel=1e-5)
+def test_dkef_log_likelihood_is_the_modules_test_metric_of_the_trained_weights():
+    variant = bench_dkef.VARIANTS[2]
+    dm = bench_dkef.datamodule(variant, DKEF_RUN, "highdim", 8)
+    row, module = bench_dkef.fit_and_test(variant, DKEF_RUN, dm, torch.device("cpu"))
+    net = module.net
+    log_z, stderr = net.log_partition(n_samples=module.final_log_z_samples, chunk=module.log_z_chunk,
+                                      generator=torch.Generator().manual_seed(12345))
+    with torch.no_grad():
+        ll = (net.log_density(dm.test_data) - log_z).mean().item()
+    assert row["test_ll"] == pytest.approx(ll, rel=1e-5) and row["log_z_stderr"] == pytest.approx(float(stderr))
+    assert row["true_ll"] == pytest.approx(dm.true_log_prob(dm.test_data).mean().item(), rel=1e-5)
+    # trained: the weights differ from the config's initial ones
+    fresh = bench_dkef.build_dkef(variant, DKEF_RUN, dm)
+    assert not torch.equal(fresh.net.features[0].body.inject.weight, net.features[0].body.inject.weight)
 
 
-def _dkef_step_memory(x: torch.Tensor, **deq_options) -> tuple[float, set[int]]:
-    """Activation memory of one training step of a DEQ-DKEF and the iterations its solves ran."""
-    net = build_dkef(QUICK, "deq", x.shape[1], tol=FORCED_TOL, warn_on_nonconvergence=False, **deq_options)
-    net.init_centres(x, torch.Generator().manual_seed(0))
-    torch.manual_seed(1)
-    mib = step_activation_mib(make_module(net, QUICK), x)
-    return mib, {layer.stats.nstep for layer in net.modules() if isinstance(layer, DEQ)}
+def _dkef_step_memory(x: torch.Tensor, variant_index: int, **options) -> tuple[float, set[int]]:
+    """Activation memory of one training step of a config-built DKEF and the iterations its solves ran."""
+    dm = bench_dkef.datamodule(bench_dkef.VARIANTS[0], DKEF_RUN, "highdim", x.shape[1])
+    module = bench_dkef.build_dkef(bench_dkef.VARIANTS[variant_index], DKEF_RUN, dm, **options)
+    nbytes = bench_dkef.step_memory(module.train(), x)
+    return nbytes, {layer.stats.nstep for layer in module.modules() if isinstance(layer, DEQ)}
 
 
 def test_dkef_deq_memory_is_independent_of_solver_iterations():
-    dim, gen = 6, torch.Generator().manual_seed(0)
-    x = torch.randn(QUICK.dkef_batch, dim, generator=gen)
-    # a tolerance no solve meets (FORCED_TOL): exactly max_iter iterations per solve
-    (few, it_few), (many, it_many) = (_dkef_step_memory(x, max_iter=n) for n in (4, 40))
+    x = torch.randn(DKEF_RUN.batch, 6, generator=torch.Generator().manual_seed(0))
+    # a tolerance no solve meets (FORCED_TOL): exactly max_iter iterations per solve, from zeros every time
+    forced = {"net.deq.tol": FORCED_TOL, "net.deq.warm_start": False, "net.deq.warn_on_nonconvergence": False}
+    (few, it_few), (many, it_many) = (_dkef_step_memory(x, 2, **forced, **{"net.deq.max_iter": n}) for n in (4, 40))
     assert (it_few, it_many) == ({4}, {40})
-    # the same storages whatever the iterations (the meter pins them: no address reuse can alias two of them)
-    assert few == pytest.approx(many, rel=1e-9)
+    assert few == many  # the same storages whatever the iterations (pinned: no address reuse aliases two)
     # the same solves recorded for backward (unroll) grow with the iterations: the check above can fail
-    unroll_few, unroll_many = (_dkef_step_memory(x, max_iter=n, backward="unroll")[0] for n in (4, 40))
+    unroll = {**forced, "net.deq.backward": "unroll"}
+    unroll_few, unroll_many = (_dkef_step_memory(x, 2, **unroll, **{"net.deq.max_iter": n})[0] for n in (4, 40))
     assert unroll_many > 2 * unroll_few > 2 * few
     # ... while an explicit net's grows with its depth
-    deep = []
-    for layers in (4, 16):
-        net = build_dkef(replace(QUICK, dkef_deep_layers=layers), "deep", dim)
-        net.init_centres(x, torch.Generator().manual_seed(0))
-        torch.manual_seed(1)
-        deep.append(step_activation_mib(make_module(net, QUICK), x))
+    deep = [_dkef_step_memory(x, 1, **{"net.deep_layers": n})[0] for n in (4, 16)]
     assert deep[1] > 2 * deep[0]
+
+
+# ---------------------------------------------------------------- ncsn, vae
 
 
 def test_ncsn_rows_cover_every_body_and_loss_with_ratios_to_ncsnv2(result):
     rows = _rows(result[1], "ncsn")
     steps = [r for r in rows if r.get("loss") and not r["model"].startswith("ratio")]
     assert {(r["model"], r["loss"]) for r in steps} == {
-        (m, loss) for m in ("shallow explicit", "DEQ, phantom", "DEQ, IFT", "NCSNv2") for loss in QUICK.ncsn_losses
+        (b.label, loss) for b in BODIES for loss in LOSSES
     } - {("DEQ, IFT", "annealed_ssm_vr")}  # IFT would give wrong SSM-VR gradients: not measured
     for r in steps:
-        body = {"shallow explicit": "shallow", "NCSNv2": "ncsnv2"}.get(r["model"], "deq")
-        assert r["params"] == sum(p.numel() for p in build_ncsn(QUICK, body, "phantom").parameters())
-        assert r["act_mib"] > 0 and (r["solver_iters"] is not None) == (body == "deq")
+        body = next(b for b in BODIES if b.label == r["model"])
+        module = build_module(model_config(body.config, ncsn_options(QUICK, body, r["loss"])))
+        assert r["params"] == parameter_count(module)
+        assert r["act_mib"] > 0 and (r["solver_iters"] is not None) == ("deq" in body.config)
     for r in (r for r in rows if r["model"].startswith("ratio")):
         body = next(s for s in steps if s["loss"] == r["loss"] and r["model"] == f"ratio {s['model']} / NCSNv2")
         ref = next(s for s in steps if s["loss"] == r["loss"] and s["model"] == "NCSNv2")
@@ -244,30 +315,48 @@ def test_ncsn_rows_cover_every_body_and_loss_with_ratios_to_ncsnv2(result):
     sampling = [r for r in rows if "sample_s_per_image" in r]
     assert [r["model"] for r in sampling] == ["shallow explicit", "DEQ, phantom", "NCSNv2"]
     for r in sampling:
-        evals = QUICK.ncsn_levels * QUICK.ncsn_langevin_steps + 1
-        assert r["sample_s_per_image"] == pytest.approx(r["eval_ms_per_image"] * evals / 1e3)
+        assert r["sample_s_per_image"] == pytest.approx(r["eval_ms_per_image"] * r["evaluations"] / 1e3)
+
+
+def test_ncsn_schedule_and_memory_come_from_the_config(result):
+    rows = _rows(result[1], "ncsn")
+    body = BODIES[0]
+    module = build_ncsn(QUICK, body, "annealed_dsm").train()
+    config = model_config(body.config)["init_args"]
+    defaults = inspect.signature(NCSNModule).parameters  # what the config leaves to the code
+    for key, index in (("sigma_max", 0), ("sigma_min", -1)):
+        expected = config.get(key, defaults[key].default)
+        assert module.sigmas[index].item() == pytest.approx(expected)
+    # the row's memory is the meter's on the config's module, the step's draws seeded as the benchmark seeds them
+    x = torch.rand(4, module.net.dim, generator=torch.Generator().manual_seed(QUICK.seed))
+
+    def step() -> torch.Tensor:
+        torch.manual_seed(QUICK.seed)
+        return module.loss_terms(x)["loss"]
+
+    row = next(r for r in rows if r["model"] == body.label and r["loss"] == "annealed_dsm")
+    assert row["act_mib"] * MIB == loss_step_bytes(module, step)
+    sampling = next(r for r in rows if r["model"] == body.label and "evaluations" in r)
+    assert sampling["evaluations"] == len(module.sigmas) * module.sampler.n_steps_each + 1
 
 
 def test_vae_rows_compare_explicit_and_deq_score_networks(result):
     rows = _rows(result[1], "vae")
-    for arch, label, short in (("mlp", "MNIST MLP", "MNIST MLP"),
-                               ("conv", f"{QUICK.vae_side}x{QUICK.vae_side} conv", "conv")):
-        explicit, deq = (next(r for r in rows if r["model"] == f"{label}, {kind}") for kind in ("explicit", "deq"))
-        for kind, r in (("explicit", explicit), ("deq", deq)):
-            vae = build_vae(QUICK, arch, kind)
-            assert r["score_params"] == sum(p.numel() for p in vae.score.parameters())
-            assert r["params"] == sum(p.numel() for p in vae.parameters())
-            assert r["act_mib"] > 0 and r["iteration_ms"] > 0 and (r["solver_iters"] is not None) == (kind == "deq")
-        ratio = next(r for r in rows if r["model"] == f"ratio DEQ / explicit, {short}")
+    for arch, variants in ARCHS.items():
+        explicit, deq = (next(r for r in rows if r["model"] == f"{arch}, {v.label}") for v in variants)
+        for v, r in zip(variants, (explicit, deq), strict=True):
+            module = build_vae(QUICK, arch, v)
+            assert r["config"] == v.config
+            assert r["score_params"] == parameter_count(module.net.score)
+            assert r["params"] == parameter_count(module)
+            assert r["act_mib"] > 0 and r["iteration_ms"] > 0 and (r["solver_iters"] is not None) == (v.label == "deq")
+        ratio = next(r for r in rows if r["model"] == f"ratio DEQ / explicit, {arch}")
         assert ratio["act_mib"] == f"{deq['act_mib'] / explicit['act_mib']:.3f}x"
 
 
-def test_the_ncsn_benchmark_takes_its_noise_schedule_from_the_config():
-    from deqscore.bench.ncsn import config_sigmas
-    from deqscore.bench.settings import FULL
+def test_nice_rows_are_the_configs_modules(result):
+    from deqscore.bench.nice import VARIANTS, options
 
-    sigmas = config_sigmas(FULL)  # configs/ncsn/deq_cifar10.yaml: 50 -> 0.01 over 232 geometric levels
-    assert len(sigmas) == 232 and float(sigmas[0]) == pytest.approx(50.0) and float(sigmas[-1]) == pytest.approx(0.01)
-    ratios = sigmas[:-1] / sigmas[1:]
-    assert torch.allclose(ratios, ratios[0].expand_as(ratios), rtol=1e-5)
-    assert len(config_sigmas(QUICK)) == QUICK.ncsn_levels
+    rows = {r["model"]: r for r in _rows(result[1], "nice")}
+    for v in VARIANTS:
+        assert rows[v.label]["params"] == parameter_count(build(v.config, options(QUICK, v)))

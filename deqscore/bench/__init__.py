@@ -16,7 +16,11 @@ benchmarks/results/dkef`` takes about 15 minutes on 2 CPU cores), ``ncsn`` (NCSN
 DEQ, NCSNv2; step memory and time, sampling cost, ratios to NCSNv2) and ``vae`` (the implicit-encoder VAE's
 explicit vs DEQ score networks, MNIST MLP and 64x64 conv); then a targets table with pass/fail computed
 from the measurements. Times are medians over ``--repeats`` steps after one warm-up
-(fewer for rows that would exceed the row budget); all sizes are in :mod:`deqscore.bench.settings`.
+(fewer for rows that would exceed the row budget). The family sections build every network from the training
+configs (``configs/<family>/*.yaml``) by the training code's builder, with the options stated in their modules
+(:mod:`deqscore.bench.nice`, ``.dkef``, ``.ncsn``, ``.vae``); the generic sections' sizes are in
+:mod:`deqscore.bench.settings`. Activation memory is :func:`deqscore.metrics.step_activation_bytes` throughout:
+the tensors autograd saves in one step's forward and backward, parameters excluded (the figure training logs).
 
 From Python: ``run(quick=True, device="cpu", out_dir=tmp_path)`` returns the JSON document.
 """

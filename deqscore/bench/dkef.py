@@ -1,237 +1,247 @@
-"""Section ``dkef``: the three DKEF feature networks (explicit shallow, explicit deep, DEQ) on RedWine and on the
-synthetic ``highdim`` Gaussian, each trained for the same short budget with the two-stage step of
-:class:`deqscore.lightning.DKEFModule` (alpha solved on the first half of the batch with ``create_graph=True``,
-the SSM-VR loss on the second half), driven by a plain loop (Adam, gradient-norm clipping) so that the step itself
-is measured. Per row: parameters, activation memory of one training step (``SavedTensorMeter``, the first step),
-median time of the remaining steps, and after training (alpha refreshed on training points) the test
-log-likelihood with its log Z standard error; on highdim also the true test log-likelihood and the Fisher
-divergence to N(0, I).
+"""Section ``dkef``: the DKEFs of ``configs/dkef/{explicit_shallow,explicit_deep,deq}.yaml`` on RedWine and on the
+synthetic ``highdim`` Gaussian, each trained for the same short budget as training trains it: a Lightning Trainer
+fits :class:`deqscore.lightning.DKEFModule` (its two-stage step, alpha refreshed after every step, the config's
+optimiser and gradient clipping), then tests it. Per row: parameters, activation memory of one training step
+(forward and backward, :func:`deqscore.metrics.step_activation_bytes`), the median time of the steps after the
+first, and the module's own test metrics (log-likelihood with its log Z standard error; on highdim the Fisher
+divergence to N(0, I) and the true log-likelihood).
 """
 
 from __future__ import annotations
 
+import copy
+import logging
 import math
 import statistics
 import time
 import warnings
-from dataclasses import dataclass
-from functools import partial
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
+import pytorch_lightning as pl
 import torch
+from pytorch_lightning.cli import instantiate_class
 
 from ..data import UCIDataModule
 from ..data.errors import DataNotFoundError
-from ..deq import DEQ, deq_backward
-from ..lightning.dkef import DKEFModule
-from ..metrics import SavedTensorMeter, parameter_count
-from ..models import DKEF
-from .measure import MIB, log, sync
+from ..deq import DEQ
+from ..lightning import DKEFModule
+from ..metrics import parameter_count
+from .configs import ROOT, Options, Variant, attach_optimizer, build, options_text, read_config, set_option
+from .measure import MIB, log, loss_step_bytes, sync
 from .report import Column, Table, fmt_value
 from .settings import Settings
 
-ROOT = Path(__file__).resolve().parents[2]
-FEATURE_NETS = (("explicit shallow", "shallow"), ("explicit deep", "deep"), ("DEQ", "deq"))
+VARIANTS = (
+    Variant("explicit shallow", "configs/dkef/explicit_shallow.yaml"),
+    Variant("explicit deep", "configs/dkef/explicit_deep.yaml"),
+    Variant("DEQ", "configs/dkef/deq.yaml"),
+)
 RATIO_KEYS = ("params", "act_mib", "time_ms")
+MEMORY_SEED = 0  # the draws (projections) of the step whose memory is measured
+DATA_ROOT = "../shared/data"  # folder of winequality-red.csv, relative to the repository root
+# Options of every row: the budget is the fixed number of steps, so log_lambda is not fine-tuned after it, and exact
+# SM (D backward passes per test batch) is not reported.
+COMMON: Options = {"final_lambda_steps": 0, "exact_sm_batches": 0}
+
+
+@dataclass(frozen=True)
+class DKEFRun:
+    """One mode's budget: data, training steps and the model options stated for it (none restate a config)."""
+
+    dims: tuple[int, ...]  # dimensions of the synthetic highdim N(0, I) data
+    steps: int  # training steps of every net (the first is the warm-up, not timed)
+    steps_by_dim: tuple[tuple[int, int], ...] = ()  # (dim, steps) overriding ``steps``
+    redwine: bool = True  # RedWine rows (skipped with a note when its file is not in DATA_ROOT)
+    batch: int | None = None  # training batch (None: the config's)
+    options: Options = field(default_factory=dict)  # model options of every row
+    highdim_options: Options = field(default_factory=dict)  # ... of the highdim rows
+
+
+RUNS = {
+    # log Z from 10^5 importance samples on highdim (10 s per model at D = 800), the config's 10^6 on RedWine
+    "full": DKEFRun(dims=(50, 200, 800), steps=100, steps_by_dim=((800, 40),),
+                    highdim_options={"final_log_z_samples": 100_000}),
+    "quick": DKEFRun(dims=(8, 16), steps=5, batch=40,
+                     options={"net.n_centres": 10, "net.hidden": 8, "alpha_points": 100, "final_log_z_samples": 2000,
+                              "log_z_chunk": 1000}),
+}
 
 
 # ---------------------------------------------------------------- building blocks (also used by the tests)
 
 
-def deq_factory(s: Settings, **overrides: object) -> partial:
-    """The DEQ layer of the ``deq`` feature nets (``overrides`` replace the settings' options)."""
-    kwargs = {"solver": s.dkef_solver, "tol": s.dkef_tol, "max_iter": s.dkef_max_iter, "backward": "phantom",
-              "phantom_steps": s.dkef_phantom_steps, **overrides}
-    return partial(DEQ, **kwargs)
+def data_root() -> Path:
+    return (ROOT / DATA_ROOT).resolve()
 
 
-def build_dkef(s: Settings, kind: str, dim: int, bandwidth_init: str | None = None, **deq_overrides: object) -> DKEF:
-    """A freshly initialised DKEF (seed ``s.seed``) with the ``kind`` feature nets."""
-    torch.manual_seed(s.seed)
-    return DKEF(dim, s.dkef_n_centres, s.dkef_hidden, kind, s.dkef_deep_layers, deq=deq_factory(s, **deq_overrides),
-                bandwidth_init=bandwidth_init or s.dkef_bandwidth_init, bandwidth_points=s.dkef_alpha_points)
+def steps_for(run: DKEFRun, dim: int) -> int:
+    """Training steps at data dimension ``dim``."""
+    return dict(run.steps_by_dim).get(dim, run.steps)
 
 
-def make_module(net: DKEF, s: Settings) -> DKEFModule:
-    """The Lightning module around ``net`` (only its loss and two-stage ``compute_loss`` are used), in train mode."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "Attribute 'net' is an instance of `nn.Module`")
-        module = DKEFModule(net, loss=s.dkef_loss)
-    return module.train()
+def datamodule(variant: Variant, run: DKEFRun, dataset: str, dim: int | None = None) -> UCIDataModule:
+    """The config's data module on ``dataset`` (``dim``: of highdim), set up; DataNotFoundError without its file."""
+    spec = copy.deepcopy(read_config(variant.config)["data"])
+    overrides: dict[str, object] = {"root": str(data_root()), "dataset": dataset}
+    overrides |= ({"dim": dim} if dim else {}) | ({"batch_size": run.batch} if run.batch else {})
+    for key, value in overrides.items():
+        set_option(spec, key, value)
+    dm = cast(UCIDataModule, instantiate_class((), spec))
+    dm.setup("fit")
+    return dm
 
 
-def loss_and_backward(module: DKEFModule, x: torch.Tensor) -> float:
-    """Forward and backward of one two-stage training step (no optimiser update); the mean loss."""
-    loss = module.compute_loss(x).mean()
-    loss.backward()
-    return loss.item()
+def options(run: DKEFRun, dm: UCIDataModule, **extra: object) -> dict[str, object]:
+    """The options a row is built with: the data's dimension, the common and the mode's options, then ``extra``."""
+    data = run.highdim_options if dm.is_synthetic else {}
+    return {"net.dim": dm.dim, **COMMON, **run.options, **data, **extra}
 
 
-def step_activation_mib(module: DKEFModule, x: torch.Tensor) -> float:
-    """Activation memory (MiB) of one training step: storages saved for backward, parameters excluded."""
-    params = list(module.parameters())
-    module.zero_grad(set_to_none=True)
-    with SavedTensorMeter(exclude=params) as meter:
-        loss_and_backward(module, x)
-    module.zero_grad(set_to_none=True)
-    return meter.bytes / MIB
+def build_dkef(variant: Variant, run: DKEFRun, dm: UCIDataModule, **extra: object) -> DKEFModule:
+    """The module of ``variant``'s config for the data of ``dm``, its centres drawn as ``DKEFModule.setup`` does."""
+    module = cast(DKEFModule, build(variant.config, options(run, dm, **extra)))
+    module.net.init_centres(dm.train_data, torch.Generator().manual_seed(0))
+    return module
 
 
-def refresh_alpha(module: DKEFModule, points: torch.Tensor, chunk: int) -> None:
-    """Store alpha solved on ``points`` (the system is a mean over points: assembled in chunks of ``chunk``)."""
-    gram = b = None
-    for part in points.split(chunk):
-        with torch.enable_grad():
-            g, bb = module.alpha_system(part, create_graph=False)
-        w = len(part) / len(points)
-        gram, b = (w * g, w * bb) if gram is None else (gram + w * g, b + w * bb)
-    with torch.no_grad():
-        module.net.set_alpha(module.net.alpha_from_system(gram, b, differentiable=False))
+def memory_batch(dm: UCIDataModule) -> torch.Tensor:
+    """The training batch whose step's memory is measured: the first rows of the training split."""
+    return dm.train_data[: dm.batch_size]
 
 
-# ---------------------------------------------------------------- data
-
-
-@dataclass
-class DKEFData:
-    name: str
-    dim: int
-    train: torch.Tensor
-    test: torch.Tensor
-    datamodule: UCIDataModule
-
-
-def data_root(s: Settings) -> Path:
-    """``s.dkef_data_root``, relative to the repository root unless absolute."""
-    root = Path(s.dkef_data_root)
-    return root if root.is_absolute() else (ROOT / root).resolve()
-
-
-def load_datasets(s: Settings, device: torch.device) -> tuple[list[DKEFData], list[str]]:
-    """RedWine (when its file is there) and highdim at every ``s.dkef_dims``; and notes on what was skipped."""
-    modules: list[tuple[str, UCIDataModule]] = []
-    notes: list[str] = []
-    if s.dkef_redwine:
-        dm = UCIDataModule("redwine", root=str(data_root(s)), batch_size=s.dkef_batch, seed=s.dkef_data_seed)
-        try:
-            dm.setup()
-            modules.append(("RedWine", dm))
-        except DataNotFoundError:
-            notes.append(f"RedWine skipped: winequality-red.csv is not in {data_root(s)}.")
-            log(f"dkef: RedWine skipped (no winequality-red.csv in {data_root(s)})")
-    for dim in s.dkef_dims:
-        dm = UCIDataModule("highdim", dim=dim, batch_size=s.dkef_batch, seed=s.dkef_data_seed)
-        dm.setup()
-        modules.append(("highdim", dm))
-    out = [DKEFData(name, dm.dim, dm.train_data.to(device), dm.test_data.to(device), dm) for name, dm in modules]
-    return out, notes
-
-
-def log_z_samples(s: Settings, data: DKEFData) -> int:
-    """Importance samples of log Z for ``data``."""
-    return s.dkef_log_z_samples if data.datamodule.is_synthetic else s.dkef_log_z_samples_redwine
-
-
-def steps_for(s: Settings, dim: int) -> int:
-    """Training steps at data dimension ``dim`` (``s.dkef_steps`` unless ``s.dkef_steps_by_dim`` overrides)."""
-    return dict(s.dkef_steps_by_dim).get(dim, s.dkef_steps)
+def step_memory(module: DKEFModule, x: torch.Tensor) -> int:
+    """Activation memory (bytes) of one training step of ``module`` (train mode) on ``x``, draws from MEMORY_SEED."""
+    with torch.random.fork_rng():
+        torch.manual_seed(MEMORY_SEED)
+        return loss_step_bytes(module, lambda: module.loss_terms(x)["loss"])
 
 
 # ---------------------------------------------------------------- one row
 
 
-class _IterationCounter:
-    """Solver iterations of every forward of the DEQ layers inside a module."""
+class StepProbe(pl.Callback):
+    """The memory of one step before training; per training step its time, loss and DEQ solver iterations.
 
-    def __init__(self, module: torch.nn.Module):
-        self.counts: list[int] = []
-        self.handles = [m.register_forward_hook(self._hook) for m in module.modules() if isinstance(m, DEQ)]
+    Callbacks' batch hooks run before the module's, so a step's time spans ``training_step``, backward, clipping
+    and the optimiser step, not the alpha refresh of ``DKEFModule.on_train_batch_end``.
+    """
 
-    def _hook(self, layer: DEQ, args: object, out: object) -> None:
-        self.counts.append(layer.stats.nstep)
+    def __init__(self, x: torch.Tensor):
+        self.x = x
+        self.memory = 0
+        self.times: list[float] = []
+        self.losses: list[float] = []
+        self.iterations: list[int] = []
+        self._start, self._active, self._hooks = 0.0, False, []
 
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.memory = step_memory(cast(DKEFModule, module.train()), self.x.to(module.device))
+        self._hooks = [m.register_forward_hook(self._count) for m in module.modules() if isinstance(m, DEQ)]
+
+    def _count(self, layer: DEQ, args: object, out: object) -> None:
+        if self._active:
+            self.iterations.append(layer.stats.nstep)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, idx: int) -> None:
+        sync(module.device)
+        self._active, self._start = True, time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any,
+                           idx: int) -> None:
+        sync(module.device)
+        self.times.append(time.perf_counter() - self._start)
+        self._active = False
+        self.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        for hook in self._hooks:
+            hook.remove()
 
 
-def train(module: DKEFModule, data: DKEFData, s: Settings, device: torch.device) -> dict:
-    """The fixed training budget: activation memory of the first step, median time of the others, losses."""
-    params = list(module.parameters())
-    opt = torch.optim.Adam(params, lr=s.dkef_lr)
-    gen = torch.Generator().manual_seed(s.seed)  # the same batches for every feature net
-    torch.manual_seed(s.seed + 1)  # ... and the same projections
-    counter = _IterationCounter(module)
-    steps, losses, times, act_mib = steps_for(s, data.dim), [], [], float("nan")
+def _trainer(variant: Variant, steps: int, device: torch.device, probe: StepProbe) -> pl.Trainer:
+    """A Trainer with the config's gradient clipping, for ``steps`` steps, without validation, logs or files."""
+    spec = read_config(variant.config)["trainer"]
+    return pl.Trainer(
+        accelerator=device.type, devices=1, max_steps=steps, max_epochs=-1, inference_mode=False,
+        gradient_clip_val=spec.get("gradient_clip_val"), limit_val_batches=0, num_sanity_val_steps=0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[probe],
+    )
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """Lightning's per-run banners (accelerators, tips, the resolved loss) and its advice on loader workers, off:
+    the benchmark fits many short runs."""
+    logger = logging.getLogger("pytorch_lightning")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
     try:
-        for i in range(steps):
-            x = data.train[torch.randperm(len(data.train), generator=gen)[: s.dkef_batch].to(device)]
-            opt.zero_grad(set_to_none=True)
-            sync(device)
-            start = time.perf_counter()
-            if i == 0:  # the warm-up step: its saved tensors are counted
-                with SavedTensorMeter(exclude=params) as meter:
-                    losses.append(loss_and_backward(module, x))
-                act_mib = meter.bytes / MIB
-            else:
-                losses.append(loss_and_backward(module, x))
-            torch.nn.utils.clip_grad_norm_(params, s.dkef_clip)
-            opt.step()
-            sync(device)
-            if i:
-                times.append(time.perf_counter() - start)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", ".*does not have many workers.*")
+            yield
     finally:
-        counter.remove()
-    tail = losses[-max(1, steps // 10):]
-    return {
-        "steps": steps, "act_mib": act_mib, "time_ms": 1e3 * statistics.median(times) if times else None,
-        "repeats": len(times), "solver_iters": statistics.mean(counter.counts) if counter.counts else None,
-        "first_loss": losses[0], "final_loss": statistics.mean(tail),
+        logger.setLevel(level)
+
+
+def fit_and_test(variant: Variant, run: DKEFRun, dm: UCIDataModule, device: torch.device,
+                 ) -> tuple[dict, DKEFModule]:
+    """Train the variant's module for the run's budget and test it; its row and the trained module."""
+    module = build_dkef(variant, run, dm)
+    attach_optimizer(module, variant.config)
+    probe = StepProbe(memory_batch(dm))
+    trainer = _trainer(variant, steps_for(run, dm.dim), device, probe)
+    with _quiet():
+        trainer.fit(module, datamodule=dm)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            metrics = trainer.test(module, datamodule=dm, verbose=False)[0]
+    times, tail = probe.times[1:], probe.losses[-max(1, len(probe.losses) // 10):]
+    row = {
+        "model": variant.label, "config": variant.config, "params": parameter_count(module),
+        "act_mib": probe.memory / MIB, "steps": len(probe.times),
+        "time_ms": 1e3 * statistics.median(times) if times else None, "repeats": len(times),
+        "solver_iters": statistics.mean(probe.iterations) if probe.iterations else None,
+        "first_loss": probe.losses[0], "final_loss": statistics.mean(tail),
+        "log_z_warning": any("log_partition" in str(w.message) for w in caught),
     }
+    return row | _test_metrics(metrics, module.final_log_z_samples), module
 
 
-def evaluate(module: DKEFModule, data: DKEFData, s: Settings, device: torch.device) -> dict:
-    """Alpha refreshed on training points, then test log-likelihood, log Z and (highdim) the true quantities."""
-    net, steps = module.net, steps_for(s, data.dim)
-    points = data.datamodule.train_subset(min(s.dkef_alpha_points, len(data.train)),
-                                          torch.Generator().manual_seed(steps)).to(device)
-    refresh_alpha(module, points, s.dkef_alpha_chunk)
-    generator = torch.Generator(device=device).manual_seed(12345)
-    n = log_z_samples(s, data)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        log_z, stderr = net.log_partition(n_samples=n, chunk=s.dkef_log_z_chunk, proposal_std=s.dkef_proposal_std,
-                                          generator=generator)
-    row = {"log_z": log_z, "log_z_stderr": stderr, "ess": n / (1 + stderr**2 * (n - 1)),
-           "log_z_warning": any("log_partition" in str(w.message) for w in caught)}
+def _test_metrics(metrics: dict[str, float], n: int) -> dict:
+    """The module's test metrics as row cells; the importance sampler's effective sample size from its stderr."""
+    stderr = float(metrics["test/log_z_stderr"])
+    row = {"test_ll": float(metrics["test/log_likelihood"]), "log_z": float(metrics["test/log_z"]),
+           "log_z_stderr": stderr, "ess": n / (1 + stderr**2 * (n - 1)), "test_loss": float(metrics["test/loss"])}
+    if "test/fisher_divergence" in metrics:
+        row |= {"fisher": float(metrics["test/fisher_divergence"]),
+                "true_ll": float(metrics["test/true_log_likelihood"])}
+    return row
+
+
+def _baselines(module: DKEFModule, dm: UCIDataModule) -> dict:
+    """What the kernel part has to improve on: the base q0 = N(0, q0_std^2 I) alone, normalised exactly; and the
+    median kernel value on the test points."""
+    net, test = module.net.cpu(), dm.test_data
+    var = net.q0_std**2
+    sq_norm = test.pow(2).sum(1).mean().item()
     with torch.no_grad():
-        row["test_ll"] = (net.log_density(data.test) - log_z).mean().item()
-        # the base q0 = N(0, q0_std^2 I) alone, normalised exactly: what the kernel part has to improve on
-        var = net.q0_std**2
-        sq_norm = data.test.pow(2).sum(1).mean().item()
-        row["base_ll"] = -0.5 * data.dim * math.log(2 * math.pi * var) - sq_norm / (2 * var)
-        row["kernel_median"] = net.kernel(data.test).median().item()
-    true_score = data.datamodule.true_score(data.test.cpu())
-    if true_score is not None:
-        with torch.no_grad(), deq_backward(net, "unroll"):  # the layer as solved to tolerance (see DKEFModule)
-            score = net.score(data.test)
-        row["fisher"] = 0.5 * (score - true_score.to(device)).pow(2).sum(1).mean().item()
-        row["true_ll"] = data.datamodule.true_log_prob(data.test.cpu()).mean().item()
+        kernel = net.kernel(test).median().item()
+    row = {"base_ll": -0.5 * dm.dim * math.log(2 * math.pi * var) - sq_norm / (2 * var), "kernel_median": kernel}
+    if dm.is_synthetic:
         row["base_fisher"] = 0.5 * (1 - 1 / var) ** 2 * sq_norm  # q0 alone: score -x / var
     return row
 
 
-def dkef_row(s: Settings, label: str, kind: str, data: DKEFData, device: torch.device) -> dict:
-    net = build_dkef(s, kind, data.dim)
-    net.init_centres(data.train.cpu(), torch.Generator().manual_seed(0))
-    module = make_module(net.to(device), s)
-    row = {"data": data.name, "dim": data.dim, "model": label, "params": parameter_count(net)}
-    row |= train(module, data, s, device)
-    row |= evaluate(module, data, s, device)
-    log(f"dkef: {data.name} D={data.dim} {label}: {row['act_mib']:.1f} MiB, "
+def dkef_row(variant: Variant, run: DKEFRun, dm: UCIDataModule, name: str, device: torch.device) -> dict:
+    row, module = fit_and_test(variant, run, dm, device)
+    row = {"data": name, "dim": dm.dim, **row, **_baselines(module, dm)}
+    log(f"dkef: {name} D={dm.dim} {variant.label}: {row['act_mib']:.1f} MiB, "
         f"{fmt_value(row['time_ms'], '.0f')} ms/step, loss {row['first_loss']:.3g} -> {row['final_loss']:.3g}, "
-        f"test LL {row['test_ll']:.3f} "
-        f"(log Z stderr {row['log_z_stderr']:.2g}, ESS {row['ess']:.0f})")
+        f"test LL {row['test_ll']:.3f} (log Z stderr {row['log_z_stderr']:.2g}, ESS {row['ess']:.0f})")
     return row
 
 
@@ -250,12 +260,25 @@ def _ratio_row(rows: dict[str, dict], ratio: dict[str, float | None]) -> dict:
 # ---------------------------------------------------------------- the section
 
 
-def _default_init_kernel(s: Settings, data: DKEFData) -> float:
+def _datasets(run: DKEFRun) -> tuple[list[tuple[str, int | None]], list[str]]:
+    """(data set, highdim dimension) of every group of rows, and notes on what was skipped."""
+    groups: list[tuple[str, int | None]] = []
+    notes: list[str] = []
+    if run.redwine:
+        try:
+            datamodule(VARIANTS[0], run, "redwine")
+            groups.append(("redwine", None))
+        except DataNotFoundError:
+            notes.append(f"RedWine skipped: winequality-red.csv is not in {data_root()}.")
+            log(f"dkef: RedWine skipped (no winequality-red.csv in {data_root()})")
+    return groups + [("highdim", d) for d in run.dims], notes
+
+
+def _default_init_kernel(run: DKEFRun, dm: UCIDataModule) -> float:
     """Median kernel value on the test points at the fixed widths ``10^l`` (before any training)."""
-    net = build_dkef(s, "shallow", data.dim, bandwidth_init="fixed")
-    net.init_centres(data.train.cpu(), torch.Generator().manual_seed(0))
+    module = build_dkef(VARIANTS[0], run, dm, **{"net.bandwidth_init": "fixed"})
     with torch.no_grad():
-        return net.kernel(data.test.cpu()).median().item()
+        return module.net.kernel(dm.test_data).median().item()
 
 
 def dkef(s: Settings, device: torch.device) -> Table:
@@ -268,16 +291,23 @@ def dkef(s: Settings, device: torch.device) -> Table:
         Column("ess", "IS ESS", ".0f"), Column("true_ll", "true test log-lik.", ".3f"),
         Column("fisher", "Fisher div.", ".4g"), Column("kernel_median", "median k (test)", ".2g"),
     ])
-    datasets, skipped = load_datasets(s, device)
+    run = RUNS[s.mode]
+    groups, skipped = _datasets(run)
     default_kernel, table.meta["ratios_deq_over_deep"] = {}, {}
-    for data in datasets:
-        key = f"{data.name} {data.dim}"
-        rows = {label: dkef_row(s, label, kind, data, device) for label, kind in FEATURE_NETS}
+    for dataset, dim in groups:
+        name = "RedWine" if dataset == "redwine" else dataset
+        rows = {}
+        for variant in VARIANTS:
+            dm = datamodule(variant, run, dataset, dim)
+            rows[variant.label] = dkef_row(variant, run, dm, name, device)
+        key = f"{name} {dm.dim}"
         table.meta["ratios_deq_over_deep"][key] = ratio = ratios(rows)
         table.rows += [*rows.values(), _ratio_row(rows, ratio)]
-        default_kernel[key] = _default_init_kernel(s, data)
+        default_kernel[key] = _default_init_kernel(run, dm)
     table.meta["median_kernel_at_default_init"] = default_kernel
-    table.notes += skipped + _notes(s, table.rows, default_kernel) + findings(table.rows)
+    table.meta["run"] = {"steps": run.steps, "steps_by_dim": run.steps_by_dim, "batch": run.batch,
+                         "options": {**COMMON, **run.options}, "highdim_options": dict(run.highdim_options)}
+    table.notes += skipped + _notes(run, table.rows, default_kernel) + findings(table.rows)
     return table
 
 
@@ -361,37 +391,32 @@ def findings(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _notes(s: Settings, rows: list[dict], default_kernel: dict[str, float]) -> list[str]:
-    steps = f"{s.dkef_steps} steps" + "".join(f" ({n} at D = {d})" for d, n in s.dkef_steps_by_dim)
+def _notes(run: DKEFRun, rows: list[dict], default_kernel: dict[str, float]) -> list[str]:
+    steps = f"{run.steps} steps" + "".join(f" ({n} at D = {d})" for d, n in run.steps_by_dim)
     init = ", ".join(f"{k}: {v:.1e}" for k, v in default_kernel.items())
     unreliable = [f"{r['data']} {r['dim']} {r['model']}" for r in rows if r.get("log_z_warning")]
+    highdim = f"; on highdim also {options_text(run.highdim_options)}" if run.highdim_options else ""
     return [
-        f"DKEF with {s.dkef_n_centres} centres, feature width {s.dkef_hidden}, three kernels; feature nets: explicit "
-        f"shallow (3 Linear layers), explicit deep ({s.dkef_deep_layers} Linear layers) or DEQ (`DEQ(solver="
-        f"{s.dkef_solver!r}, tol={s.dkef_tol:g}, max_iter={s.dkef_max_iter}, backward='phantom', phantom_steps="
-        f"{s.dkef_phantom_steps})`, cold start), each plus a linear skip. Loss `{s.dkef_loss}`; the step is "
-        "`DKEFModule.compute_loss` (alpha solved on the first half of the batch with create_graph=True, the loss on "
-        f"the second half) + backward + clip at norm {s.dkef_clip:g} + Adam (lr {s.dkef_lr:g}); batch {s.dkef_batch}, "
-        f"{steps}, the same batches, projections and seed ({s.seed}) for the three nets.",
-        "Activation memory: the first (warm-up) step's storages saved for backward (`SavedTensorMeter`, parameters "
-        "excluded, with every saved tensor pinned until the step ends: otherwise a storage freed within the step can "
-        "hand its address to a later one, which then goes uncounted, by up to ~2% from run to run). "
-        "Step time: median wall clock of the remaining steps (clip and Adam included); Picard iters: mean "
-        "solver iterations per DEQ forward during training.",
-        f"Evaluation: alpha refreshed once on {s.dkef_alpha_points} training points after the last step (identical "
-        "to refreshing after every step, as the Lightning module does: the training step never reads the stored "
-        f"alpha); log Z by importance sampling from N(0, {s.dkef_proposal_std:g}^2 I), "
-        f"{s.dkef_log_z_samples_redwine:,} draws on RedWine, {s.dkef_log_z_samples:,} on highdim; test log-lik. = "
-        "mean over the test split; IS ESS = effective sample size, from the stderr. The stderr "
-        "only measures the spread of the weights among the draws: in high dimension the proposal can miss the mass "
-        "of the model altogether, so a small stderr does not prove an accurate log Z. Estimates flagged unreliable "
-        "by `log_partition` (ESS < 100 or stderr > 0.1): " + ("; ".join(unreliable) if unreliable else "none") + ".",
-        "highdim: N(0, I) data (4860 train / 600 test rows); true test log-lik. is that of N(0, I) on the same "
-        "points, Fisher div. = 0.5 E||s_model(x) + x||^2 over them (DEQ score through the unrolled solve).",
-        f"Kernel bandwidth init: `{s.dkef_bandwidth_init}`"
-        + (" (DKEF's default: l_j shifted by log10(median squared feature distance / 2) between training points "
-           f"and centres). Median k on the test points at the fixed widths (`bandwidth_init: fixed`, l = 0, 0.52, "
-           f"0.52), shallow net: {init}; a k near 0 means kernels that vanish (no gradient reaches the features), "
-           "so that DKEF stays at its base q0: the reason for the median init."
-           if s.dkef_bandwidth_init == "median" else f". Median k on the test points at this init: {init}."),
+        "Each DKEF is its config's module (`build_module` on `model:`; " + ", ".join(v.config for v in VARIANTS)
+        + f"), with the options {options_text({**COMMON, **run.options})}{highdim}, and the config's data module "
+        f"(batch {run.batch or 'of the config'}). A Lightning Trainer fits it for {steps} with the config's optimiser "
+        "and gradient clipping, no validation: the step is `DKEFModule.training_step` (alpha solved on the first "
+        "half of the batch with create_graph=True, the loss on the second half), and alpha is refreshed after every "
+        "step as in training; the same batches, projections and seed for the three nets. The test metrics are the "
+        "module's own (`trainer.test`): log Z by importance sampling with final_log_z_samples draws, test "
+        "log-lik. = mean over the test split, on highdim the Fisher divergence to N(0, I) (score through the "
+        "unrolled solve) and the true log-lik. of N(0, I) on the same points; IS ESS = effective sample size, "
+        "from the stderr.",
+        "Activation memory: `loss_step_bytes` of one training step (forward and backward, parameters "
+        "excluded) on the first rows of the training split before training: the figure training logs as "
+        "run/activation_memory_mb. Step time: median wall clock of the steps after the first (training_step, "
+        "backward, clipping and the optimiser step); Picard iters: mean solver iterations per DEQ forward in them.",
+        "The log Z stderr only measures the spread of the weights among the draws: in high dimension the proposal "
+        "can miss the mass of the model altogether, so a small stderr does not prove an accurate log Z. Estimates "
+        "flagged unreliable by `log_partition` (ESS < 100 or stderr > 0.1): "
+        + ("; ".join(unreliable) if unreliable else "none") + ".",
+        "Kernel widths from the data (the configs' `bandwidth_init: median`: l_j shifted by log10(median squared "
+        "feature distance / 2) between training points and centres). Median k on the test points at the fixed "
+        f"widths (`bandwidth_init: fixed`), shallow net: {init}; a k near 0 means kernels that vanish (no gradient "
+        "reaches the features), so that DKEF stays at its base q0: the reason for the median init.",
     ]

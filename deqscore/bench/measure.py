@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..losses import score_from_log_prob, sliced_score_matching
-from ..metrics import SavedTensorMeter
+from ..metrics import step_activation_bytes
 from .settings import MNIST_DIM, Settings
 
 MIB = 2**20
@@ -96,9 +96,9 @@ class StepResult:
     repeats: int
 
 
-def ssm_step(log_prob: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
-    """One SSM training step's forward and backward (no optimiser update)."""
-    sliced_score_matching(score_from_log_prob(log_prob), x).mean().backward()
+def ssm_loss(log_prob: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """The mean SSM loss of one training step (its backward is the rest of the step)."""
+    return sliced_score_matching(score_from_log_prob(log_prob), x).mean()
 
 
 def _clear_grads(params: Iterable[nn.Parameter]) -> None:
@@ -116,17 +116,31 @@ def _peak_step(step: Callable[[], None], params: list[nn.Parameter], device: tor
     return secs, peak
 
 
-def measure_step(step: Callable[[], None], model: nn.Module, device: torch.device, settings: Settings) -> StepResult:
-    """Saved-tensor memory of one step (the warm-up), then the median time of the timed steps."""
-    params = list(model.parameters())
-    _clear_grads(params)
-    with SavedTensorMeter(exclude=params) as meter:
-        _, warm = wall(step, device)
+def loss_step_bytes(module: nn.Module, loss_fn: Callable[[], torch.Tensor]) -> int:
+    """Activation memory (bytes) of one training step: ``loss_fn()`` (a scalar) and its backward, measured by the
+    project's one meter, :func:`deqscore.metrics.step_activation_bytes` (which leaves gradients, buffers and the RNG
+    as they were)."""
+
+    def step() -> None:
+        loss = loss_fn()
+        if loss.requires_grad:
+            loss.backward()
+
+    return step_activation_bytes(step, module)
+
+
+def measure_step(
+    loss_fn: Callable[[], torch.Tensor], module: nn.Module, device: torch.device, settings: Settings
+) -> StepResult:
+    """Activation memory of one step, ``loss_fn()`` and its backward (:func:`loss_step_bytes`, which is also
+    the warm-up), then the median time of the timed steps."""
+    params = list(module.parameters())
+    act_bytes, warm = wall(lambda: loss_step_bytes(module, loss_fn), device)
     n = n_repeats(settings, warm)
-    runs = [_peak_step(step, params, device) for _ in range(n)]
+    runs = [_peak_step(lambda: loss_fn().backward(), params, device) for _ in range(n)]
     peak = max(p for _, p in runs) if device.type == "cuda" else None
     _clear_grads(params)
-    return StepResult(meter.bytes / MIB, peak, 1e3 * statistics.median(s for s, _ in runs), n)
+    return StepResult(act_bytes / MIB, peak, 1e3 * statistics.median(s for s, _ in runs), n)
 
 
 def _mnist_batch(n: int, seed: int) -> torch.Tensor:

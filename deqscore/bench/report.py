@@ -73,7 +73,8 @@ def header_markdown(header: dict, settings: dict) -> str:
     """Title, environment lines and the exact settings."""
     lines = ["# deqscore benchmark", ""]
     lines.extend(f"* **{key}**: {value}" for key, value in header.items())
-    lines += ["", "Settings (`deqscore/bench/settings.py`):", "", "```json", json.dumps(settings, indent=1), "```", ""]
+    lines += ["", "Settings (`deqscore/bench/settings.py`; the family sections build their networks from the configs "
+              "with the options given in their notes):", "", "```json", json.dumps(settings, indent=1), "```", ""]
     return "\n".join(lines)
 
 

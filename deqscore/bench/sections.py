@@ -1,5 +1,5 @@
-"""The benchmark sections, each returning a :class:`~deqscore.bench.report.Table` (``dkef``, ``ncsn``, ``vae``:
-their own modules)."""
+"""The benchmark sections, each returning a :class:`~deqscore.bench.report.Table`; the family sections (``nice``,
+``dkef``, ``ncsn``, ``vae``) are their own modules."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from torch import nn
 
 from ..deq import DEQ
 from ..deq.solvers import get_solver, picard
-from ..metrics import parameter_count
-from ..models import NICE, DEQMNet, explicit_mlp
+from ..models import DEQMNet, explicit_mlp
 from .dkef import dkef
-from .measure import CouplingDensity, log, make_inputs, measure_step, ssm_step, timed
+from .measure import CouplingDensity, log, make_inputs, measure_step, ssm_loss, timed
 from .ncsn import ncsn
+from .nice import nice
 from .report import Column, Table
 from .settings import FORCED_TOL, MAIN_SOLVER_BLOCK, RANDOM_INIT_BLOCK, SOLVERS, Settings
 from .vae import vae
@@ -57,7 +57,7 @@ def memory_vs_iterations(s: Settings, device: torch.device) -> Table:
     ])
     for name, n, m_net in _memory_models(s):
         density = CouplingDensity(m_net).to(device)
-        res = measure_step(lambda d=density: ssm_step(d, x), density, device, s)
+        res = measure_step(lambda d=density: ssm_loss(d, x), density, device, s)
         iters = m_net.deq.stats.nstep if isinstance(m_net, DEQMNet) else None
         table.rows.append({"model": name, "n": n, "solver_iters": iters, **vars(res)})
         log(f"memory: {name} n={n}: {res.act_mib:.2f} MiB, {res.time_ms:.1f} ms ({res.repeats} steps)")
@@ -68,7 +68,8 @@ def memory_vs_iterations(s: Settings, device: torch.device) -> Table:
         f"inputs {source}. Step = `sliced_score_matching(score_from_log_prob(logp), x).mean().backward()`.",
         f"DEQ rows: Picard forced to exactly N iterations (tol {FORCED_TOL:g}); `phantom` runs them under no_grad "
         f"and re-attaches K={s.mem_phantom_steps} steps, `unroll` records every iteration.",
-        "Activation memory: distinct storages saved for backward (`SavedTensorMeter`), parameters excluded.",
+        "Activation memory: distinct storages autograd saves in the step's forward and backward "
+        "(`loss_step_bytes`), parameters excluded.",
     ]
     return table
 
@@ -80,7 +81,7 @@ def _flat_grad(density: nn.Module, x: torch.Tensor, seed: int) -> torch.Tensor:
     """Parameter gradient of the mean SSM loss, with the projection vectors drawn from ``seed``."""
     density.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
-    ssm_step(density, x)
+    ssm_loss(density, x).backward()
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in density.parameters()])
 
 
@@ -268,56 +269,6 @@ def solvers(s: Settings, device: torch.device) -> Table:
                            "batch as it arrives at that coupling.")
     _, source = make_inputs(1, 2 * s.sol_d_in, s, device, torch.float32)
     table.notes += _solver_notes(s, table.rows, source)
-    return table
-
-
-# ---------------------------------------------------------------- 4. nice
-
-
-def _nice(s: Settings, m_net: str, couplings: int) -> NICE:
-    torch.manual_seed(s.seed)
-    deq = partial(
-        DEQ, solver=s.nice_solver, tol=s.nice_tol, max_iter=s.nice_max_iter, backward="phantom",
-        phantom_steps=s.nice_phantom_steps, warm_start=s.nice_warm_start,
-    )
-    return NICE(s.nice_dim, couplings, m_net, s.nice_hidden, s.nice_n_layers, deq=deq)
-
-
-def _nice_row(s: Settings, m_net: str, couplings: int, x: torch.Tensor, device: torch.device) -> dict:
-    flow = _nice(s, m_net, couplings).to(device)
-    res = measure_step(lambda: ssm_step(flow.log_prob, x), flow, device, s)
-    iters = [m.deq.stats.nstep for m in flow.m_nets] if m_net == "deq" else None
-    row = {"model": f"{m_net}, {couplings} couplings", "params": parameter_count(flow), **vars(res)}
-    row["solver_iters"] = ", ".join(map(str, iters)) if iters else None
-    log(f"nice: {row['model']}: {res.act_mib:.1f} MiB, {res.time_ms:.1f} ms, solver iterations {iters}")
-    return row
-
-
-def _ratio_row(couplings: int, explicit: dict, deq: dict) -> dict:
-    keys = ("params", "act_mib", "peak_mib", "time_ms")
-    ratio = {k: round(deq[k] / explicit[k], 3) if deq[k] is not None else None for k in keys}
-    return {"model": f"ratio DEQ/explicit, {couplings} couplings", **ratio}
-
-
-def nice(s: Settings, device: torch.device) -> Table:
-    x, source = make_inputs(s.nice_batch, s.nice_dim, s, device, torch.float32)
-    table = Table("nice", "4. NICE: explicit vs DEQ m-nets (one SSM training step)", [
-        Column("model", "model"), Column("params", "parameters", ","), *_step_columns(device),
-        Column("solver_iters", "DEQ solver iterations (per coupling)"),
-    ])
-    for couplings in s.nice_couplings:
-        explicit, deq = (_nice_row(s, kind, couplings, x, device) for kind in ("explicit", "deq"))
-        table.rows += [explicit, deq, _ratio_row(couplings, explicit, deq)]
-    table.notes += [
-        f"NICE dim {s.nice_dim}, hidden {s.nice_hidden}, explicit m-nets with {s.nice_n_layers} Linear layers; batch "
-        f"{s.nice_batch}, float32, inputs {source}. DEQ: solver {s.nice_solver}, tol {s.nice_tol:g} (abs, whole "
-        f"batch), max_iter {s.nice_max_iter}, phantom_steps {s.nice_phantom_steps}, warm start "
-        f"{'on' if s.nice_warm_start else 'off (cold start from zeros)'}.",
-        "Ratio rows divide the DEQ row by the explicit row (parameters, memory, time).",
-        f"With K = {s.nice_phantom_steps} phantom steps the DEQ m-net records {2 * s.nice_phantom_steps} hidden "
-        f"{s.nice_hidden}x{s.nice_hidden} layers (2 per application of F) against the explicit m-net's "
-        f"{s.nice_n_layers - 2}; its activation memory does not grow with the solver iterations (section 1).",
-    ]
     return table
 
 

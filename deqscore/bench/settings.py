@@ -1,4 +1,7 @@
-"""Every size and setting of the benchmark, one frozen dataclass per mode (:data:`FULL`, :data:`QUICK`)."""
+"""The benchmark's own settings, one frozen dataclass per mode (:data:`FULL`, :data:`QUICK`): repeats, seed, inputs
+and the sizes of the generic sections (1-3), which benchmark the DEQ layer on constructed blocks. The family sections
+(NICE, DKEF, NCSN, VAE) build their networks from the training configs; their options and run sizes are stated in
+their own modules (``deqscore/bench/{nice,dkef,ncsn,vae}.py``)."""
 
 from __future__ import annotations
 
@@ -51,64 +54,6 @@ class Settings:
         ("random init", "float32"), ("random init", "float64"), ("stress", "float32"),
     )
     sol_stress_bias: float = 3.0  # biases of the stress block (Softplus' ~ sigmoid(3) = 0.95)
-    # 4. nice: explicit vs DEQ NICE, one SSM step (float32)
-    nice_dim: int = 784
-    nice_hidden: int = 1000
-    nice_batch: int = 128
-    nice_couplings: tuple[int, ...] = (4, 2)
-    nice_n_layers: int = 5
-    nice_solver: str = "picard"  # DEQ settings: the defaults of deqscore/lightning/nice.py
-    nice_tol: float = 2e-5
-    nice_max_iter: int = 128
-    nice_phantom_steps: int = 2
-    nice_warm_start: bool = False  # cold start from zeros in every step (the Lightning default warm-starts)
-    # 5. dkef: explicit shallow / explicit deep / DEQ feature nets, trained for a fixed budget (float32)
-    dkef_redwine: bool = True  # RedWine rows (skipped with a note when its file is not in dkef_data_root)
-    dkef_data_root: str = "../shared/data"  # folder of winequality-red.csv, relative to the repository root
-    dkef_data_seed: int = 2019  # UCIDataModule seed (shuffle, dequantisation, noise, highdim draws)
-    dkef_dims: tuple[int, ...] = (50, 200, 800)  # dimensions of the synthetic highdim N(0, I) data
-    dkef_n_centres: int = 200
-    dkef_hidden: int = 30
-    dkef_deep_layers: int = 16  # Linear layers of the explicit deep feature net
-    dkef_loss: str = "ssm_vr"
-    dkef_batch: int = 200  # alpha on the first half, the loss on the second
-    dkef_steps: int = 100  # training steps of every net (the first one, the warm-up, is measured for memory)
-    dkef_steps_by_dim: tuple[tuple[int, int], ...] = ((800, 40),)  # (dim, steps) overriding dkef_steps
-    dkef_lr: float = 0.01  # Adam
-    dkef_clip: float = 100.0  # gradient-norm clipping
-    dkef_solver: str = "picard"  # DEQ feature net: the options of configs/dkef/deq.yaml, cold start
-    dkef_tol: float = 5e-5
-    dkef_max_iter: int = 128
-    dkef_phantom_steps: int = 2
-    dkef_bandwidth_init: str = "median"  # DKEF bandwidth_init: "median" (from the data) or "fixed" (10^l as given)
-    dkef_alpha_points: int = 1000  # training points alpha is refreshed on after training (and the median uses)
-    dkef_alpha_chunk: int = 250  # points per chunk of that alpha system
-    dkef_log_z_samples: int = 100_000  # importance samples of log Z on highdim (10 s per model at D = 800)
-    dkef_log_z_samples_redwine: int = 1_000_000  # ... on RedWine (the Lightning module's test-time count)
-    dkef_log_z_chunk: int = 10_000
-    dkef_proposal_std: float = 2.0
-    # 6. ncsn: bodies at 32x32 (one training step, sampling cost)
-    ncsn_side: int = 32
-    ncsn_ngf: int = 128
-    ncsn_batch: int = 128
-    ncsn_losses: tuple[str, ...] = ("annealed_dsm", "annealed_ssm_vr")
-    ncsn_config: str = "configs/ncsn/deq_cifar10.yaml"  # the noise schedule is this config's (CIFAR-10)
-    ncsn_levels: int | None = None  # None: the config's number of levels
-    ncsn_langevin_steps: int = 5  # per level
-    ncsn_sample_batch: int = 128
-    ncsn_solver: str = "anderson"  # the reference's Picard at an absolute 1e-5 over the whole batch runs to
-    ncsn_tol: float = 1e-3  # max_iter at this size; a relative tolerance keeps CPU rows affordable
-    ncsn_stop_mode: str = "rel"
-    ncsn_max_iter: int = 40
-    # 7. vae: explicit vs DEQ score networks of the implicit-encoder VAE (configs/vae/*_mnist, *_celeba)
-    vae_batch: int = 128  # MNIST MLP
-    vae_conv_batch: int = 16  # 64x64 conv: the DEQ's full-resolution solve makes CPU rows slow at 128
-    vae_hidden: int = 256  # MNIST MLP width
-    vae_side: int = 64  # conv: CelebA 64x64
-    vae_nef: int = 64
-    vae_score_updates: int = 2
-    vae_tol: float = 5e-6  # the configs' Picard tolerance (absolute, whole batch)
-    vae_max_iter: int = 128
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -130,31 +75,6 @@ QUICK = replace(
     sol_d_in=64,
     sol_hidden=128,
     sol_batch=32,
-    nice_dim=64,
-    nice_hidden=128,
-    nice_batch=32,
-    dkef_dims=(8, 16),
-    dkef_n_centres=10,
-    dkef_hidden=8,
-    dkef_batch=40,
-    dkef_steps=5,
-    dkef_steps_by_dim=(),
-    dkef_alpha_points=100,
-    dkef_alpha_chunk=50,
-    dkef_log_z_samples=2000,
-    dkef_log_z_samples_redwine=2000,
-    dkef_log_z_chunk=1000,
-    ncsn_side=8,
-    ncsn_ngf=4,
-    ncsn_batch=4,
-    ncsn_levels=10,
-    ncsn_sample_batch=4,
-    vae_batch=4,
-    vae_conv_batch=4,
-    vae_hidden=16,
-    vae_side=16,
-    vae_nef=4,
-    vae_max_iter=20,
 )
 
 

@@ -1,6 +1,7 @@
-"""Benchmark section ``vae``: the implicit-encoder VAE with an explicit or a DEQ score network, for binarised MNIST
-(MLP) and 64x64 RGB images (conv): parameters, activation memory and time of the score network's SSM-VR step, and
-the time of one whole training iteration (``score_updates`` score steps and the encoder/decoder surrogate step).
+"""Benchmark section ``vae``: the implicit-encoder VAEs of ``configs/vae/{explicit,deq}_{mnist,celeba}.yaml``, with an
+explicit or a DEQ score network, for binarised MNIST (MLP) and 64x64 RGB images (conv): parameters, activation
+memory and time of the score network's SSM-VR step, and the time of one whole training iteration (``score_updates``
+score steps and the encoder/decoder surrogate step).
 
 The score network is where the DEQ matters: its SSM-VR loss differentiates the network's output w.r.t. z and then the
 parameters, so an explicit network keeps every layer's activations twice over; the ratio rows divide each DEQ row by
@@ -9,65 +10,74 @@ the explicit row of the same architecture.
 
 from __future__ import annotations
 
-from functools import partial
+from typing import cast
 
 import torch
 
 from ..deq import DEQ
+from ..lightning import VAEModule
 from ..metrics import parameter_count
-from ..models import ImplicitVAE
+from .configs import Options, Variant, build, options_text
 from .measure import log, measure_step, timed
 from .report import Column, Table, ratio_cells
 from .settings import Settings
 
-KINDS = ("explicit", "deq")
+ARCHS = {  # (explicit, DEQ) score networks of each architecture
+    "MNIST MLP": (Variant("explicit", "configs/vae/explicit_mnist.yaml"), Variant("deq", "configs/vae/deq_mnist.yaml")),
+    "conv": (Variant("explicit", "configs/vae/explicit_celeba.yaml"), Variant("deq", "configs/vae/deq_celeba.yaml")),
+}
+# The benchmark's options and batches, the one place they are stated. The conv batch is 16: the DEQ's
+# full-resolution solve makes CPU rows slow at the configs' 128.
+SIZES: dict[str, dict[str, Options]] = {
+    "full": {"MNIST MLP": {"net.dim": 784}, "conv": {"net.dim": 3 * 64 * 64}},  # the configs' data
+    "quick": {"MNIST MLP": {"net.dim": 784, "net.hidden": 16},
+              "conv": {"net.dim": 3 * 16 * 16, "net.nef": 4}},
+}
+DEQ_OPTIONS: dict[str, Options] = {"full": {"net.deq.warn_on_nonconvergence": False},
+                                   "quick": {"net.deq.warn_on_nonconvergence": False, "net.deq.max_iter": 20}}
+BATCH = {"full": {"MNIST MLP": 128, "conv": 16}, "quick": {"MNIST MLP": 4, "conv": 4}}
 
 
-def build_vae(s: Settings, arch: str, score: str) -> ImplicitVAE:
-    """A freshly initialised implicit-encoder VAE (seed ``s.seed``) at the benchmark's size; the DEQ's options are
-    those of ``configs/vae/deq_{mnist,celeba}.yaml``."""
-    torch.manual_seed(s.seed)
-    mlp = arch == "mlp"
-    deq = partial(DEQ, solver="picard", max_iter=s.vae_max_iter, tol=s.vae_tol, backward="phantom",
-                  phantom_steps=2 if mlp else 1, injection_prestep=not mlp, warn_on_nonconvergence=False)
-    if mlp:
-        return ImplicitVAE(dim=784, arch="mlp", z_dim=8, eps_dim=8, hidden=s.vae_hidden, score=score, deq=deq,
-                           norm_scale=2.0)
-    side = s.vae_side
-    return ImplicitVAE(dim=3 * side * side, channels=3, arch="conv", z_dim=64, eps_dim=32, nef=s.vae_nef,
-                       score=score, deq=deq, norm_scale=10.0)
+def options(s: Settings, arch: str, variant: Variant) -> dict[str, object]:
+    """The options a row is built with: the mode's sizes and (DEQ) the solver's."""
+    return {**SIZES[s.mode][arch], **(DEQ_OPTIONS[s.mode] if variant.label == "deq" else {})}
 
 
-def _inputs(s: Settings, vae: ImplicitVAE, device: torch.device) -> torch.Tensor:
-    """Seeded random data of the VAE's shape: binary pixels (MLP) or grey levels in [0, 1] (conv)."""
+def build_vae(s: Settings, arch: str, variant: Variant) -> VAEModule:
+    """The module of ``variant``'s config at the benchmark's options."""
+    return cast(VAEModule, build(variant.config, options(s, arch, variant)))
+
+
+def _inputs(s: Settings, module: VAEModule, arch: str, device: torch.device) -> torch.Tensor:
+    """Seeded random data of the VAE's shape, as the module prepares it: binary pixels (MNIST) or grey levels."""
     gen = torch.Generator().manual_seed(s.seed)
-    mlp = vae.arch == "mlp"
-    x = torch.rand(s.vae_batch if mlp else s.vae_conv_batch, vae.dim, generator=gen)
-    return (x.bernoulli(generator=gen) if mlp else x).to(device)
+    x = torch.rand(BATCH[s.mode][arch], module.net.dim, generator=gen)
+    return (x.bernoulli(generator=gen) if module.binarize else x).to(device)
 
 
-def _row(s: Settings, arch: str, score: str, device: torch.device) -> dict:
-    vae = build_vae(s, arch, score).to(device)
-    x = _inputs(s, vae, device)
+def _row(s: Settings, arch: str, variant: Variant, device: torch.device) -> dict:
+    module = build_vae(s, arch, variant).to(device).train()
+    vae, x = module.net, _inputs(s, module, arch, device)
 
-    def score_step() -> None:
+    def score_loss() -> torch.Tensor:
         torch.manual_seed(s.seed)  # the same encoder noise and projections in every timed step
-        vae.score_loss(x).mean().backward()
+        return vae.score_loss(x).mean()
 
     def iteration() -> None:
         torch.manual_seed(s.seed)
-        for _ in range(s.vae_score_updates):
+        for _ in range(module.score_updates):
             vae.score_loss(x).mean().backward()
         vae.surrogate(x).mean().backward()
         vae.zero_grad(set_to_none=True)
 
-    res = measure_step(score_step, vae.score, device, s)
+    res = measure_step(score_loss, module, device, s)
     _, iteration_ms, _ = timed(iteration, device, s)
     deqs = [m for m in vae.score.modules() if isinstance(m, DEQ)]
-    label = f"{'MNIST MLP' if arch == 'mlp' else f'{s.vae_side}x{s.vae_side} conv'}, {score}"
+    label = f"{arch}, {variant.label}"
     log(f"vae: {label}: {res.act_mib:.1f} MiB, score step {res.time_ms:.0f} ms, iteration {iteration_ms:.0f} ms")
-    return {"model": label, "score_params": parameter_count(vae.score), "params": parameter_count(vae), **vars(res),
-            "iteration_ms": iteration_ms, "solver_iters": deqs[0].stats.nstep if deqs else None}
+    return {"model": label, "config": variant.config, "score_params": parameter_count(vae.score),
+            "params": parameter_count(module), **vars(res), "iteration_ms": iteration_ms,
+            "solver_iters": deqs[0].stats.nstep if deqs else None}
 
 
 def _ratio(explicit: dict, deq: dict, arch: str) -> dict:
@@ -82,18 +92,19 @@ def vae(s: Settings, device: torch.device) -> Table:
         Column("peak_mib", "score step: CUDA peak (MiB)", ".1f"), Column("time_ms", "score step (ms)", ".1f"),
         Column("iteration_ms", "training iteration (ms)", ".1f"), Column("solver_iters", "DEQ solver iters", "d"),
     ])
-    for arch in ("mlp", "conv"):
-        explicit, deq = (_row(s, arch, kind, device) for kind in KINDS)
-        table.rows += [explicit, deq, _ratio(explicit, deq, "MNIST MLP" if arch == "mlp" else "conv")]
+    for arch, variants in ARCHS.items():
+        explicit, deq = (_row(s, arch, v, device) for v in variants)
+        table.rows += [explicit, deq, _ratio(explicit, deq, arch)]
+    table.meta["options"] = {f"{arch}, {v.label}": options(s, arch, v) for arch, vs in ARCHS.items() for v in vs}
+    table.meta["batch"] = BATCH[s.mode]
     table.notes += [
-        f"Batch {s.vae_batch} (MLP), {s.vae_conv_batch} (conv), float32, seeded random data (binary 784-pixel "
-        f"images; {s.vae_side}x{s.vae_side}x3 grey levels). MLP: hidden {s.vae_hidden}, z 8 "
-        f"(configs/vae/*_mnist.yaml); conv: nef {s.vae_nef}, z 64 (configs/vae/*_celeba.yaml). DEQ score "
-        f"networks: Picard, tol {s.vae_tol:g}, max_iter {s.vae_max_iter}, phantom gradients (2 steps for the MLP; "
-        "the injection pre-step and 1 step for the conv net), cold start.",
-        "Score step: the score network's SSM-VR loss (one Gaussian projection, variance reduction) on encoder "
-        "samples, forward and backward, no optimiser update; activation memory: tensors autograd saves for its "
-        f"backward (parameters excluded). Training iteration: {s.vae_score_updates} score steps and the "
-        "encoder/decoder surrogate step, forward and backward.",
+        "Each VAE is its config's module (`build_module` on `model:`), with the options: "
+        + "; ".join(f"{v.config}: {options_text(options(s, arch, v))}" for arch, vs in ARCHS.items() for v in vs)
+        + f". Batch {BATCH[s.mode]['MNIST MLP']} (MNIST MLP), {BATCH[s.mode]['conv']} (conv), float32, seeded "
+        "random data (binary pixels; grey levels).",
+        "Score step: the score network's SSM-VR loss (`net.score_loss`) on encoder samples, forward and backward, "
+        "no optimiser update; activation memory: `loss_step_bytes`, the storages autograd saves in the "
+        "forward and backward, parameters excluded. Training iteration: the config's score_updates score steps and "
+        "the encoder/decoder surrogate step, forward and backward.",
     ]
     return table
