@@ -246,7 +246,7 @@ def test_dkef_rows_are_those_of_the_modules_training_builds(result, tmp_path):
         module, dm = cli.model.train(), cli.datamodule
         dm.setup("fit")
         assert row["params"] == parameter_count(module)
-        x = dm.train_data[: DKEF_RUN.batch]
+        x = dm.train_data[: DKEF_RUN.batch].clone()  # a batch of its own, as the data loader gives
         torch.manual_seed(bench_dkef.MEMORY_SEED)
         assert row["act_mib"] * MIB == loss_step_bytes(module, lambda m=module, x=x: m.loss_terms(x)["loss"])
 

@@ -109,8 +109,9 @@ def build_dkef(variant: Variant, run: DKEFRun, dm: UCIDataModule, **extra: objec
 
 
 def memory_batch(dm: UCIDataModule) -> torch.Tensor:
-    """The training batch whose step's memory is measured: the first rows of the training split."""
-    return dm.train_data[: dm.batch_size]
+    """The training batch whose step's memory is measured: the first rows of the training split, in a storage of
+    their own as the data loader gives them (the meter counts whole storages: a view would count the split)."""
+    return dm.train_data[: dm.batch_size].clone()
 
 
 def step_memory(module: DKEFModule, x: torch.Tensor) -> int:
