@@ -20,10 +20,10 @@ from deqscore.bench.ncsn import BODIES, LOSSES, build_ncsn
 from deqscore.bench.ncsn import options as ncsn_options
 from deqscore.bench.settings import FORCED_TOL, QUICK, SECTIONS
 from deqscore.bench.vae import ARCHS, build_vae
-from deqscore.deq import DEQ, get_solver
-from deqscore.lightning import NCSNModule, build_module, load_module
 from deqscore.cli.train import DeqscoreCLI
 from deqscore.cli.train import main as train
+from deqscore.deq import DEQ, get_solver
+from deqscore.lightning import NCSNModule, build_module, load_module
 from deqscore.metrics import SavedTensorMeter, parameter_count
 from tests.lightning.conftest import tiny_args
 
