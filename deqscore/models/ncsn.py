@@ -69,15 +69,26 @@ def conv3x3(c_in: int, c_out: int, bias: bool = True, dilation: int = 1) -> nn.C
     return nn.Conv2d(c_in, c_out, 3, padding=dilation, dilation=dilation, bias=bias)
 
 
+def mean_pool2(x: Tensor) -> Tensor:
+    """2x2 mean pooling (stride 2, an odd last row or column dropped), equal to ``F.avg_pool2d(x, 2)``.
+
+    Written as the mean of the four strided slices because autograd then saves nothing: slicing and adding need
+    only shapes in backward, whereas ``avg_pool2d`` keeps its full-resolution input alive for its backward.
+    """
+    h, w = x.shape[-2] // 2 * 2, x.shape[-1] // 2 * 2
+    x = x[..., :h, :w]
+    return (x[..., ::2, ::2] + x[..., 1::2, ::2] + x[..., ::2, 1::2] + x[..., 1::2, 1::2]) / 4
+
+
 class ConvMeanPool(nn.Module):
-    """Convolution (resolution kept) then 2x2 mean pooling."""
+    """Convolution (resolution kept) then 2x2 mean pooling (:func:`mean_pool2`, which records no activation)."""
 
     def __init__(self, c_in: int, c_out: int, kernel_size: int = 3):
         super().__init__()
         self.conv = nn.Conv2d(c_in, c_out, kernel_size, padding=kernel_size // 2)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.avg_pool2d(self.conv(x), 2)
+        return mean_pool2(self.conv(x))
 
 
 class ResidualBlock(nn.Module):

@@ -9,9 +9,9 @@ import torch
 from deqscore.deq import DEQ, deq_backward
 from deqscore.errors import ConfigError
 from deqscore.losses import annealed_dsm
-from deqscore.metrics import parameter_count
+from deqscore.metrics import SavedTensorMeter, parameter_count
 from deqscore.models import NCSN, NCSN_BODIES
-from deqscore.models.ncsn import ConvMeanPool, InstanceNorm2dPlus
+from deqscore.models.ncsn import ConvMeanPool, InstanceNorm2dPlus, mean_pool2
 
 F64 = torch.float64
 
@@ -64,6 +64,26 @@ def test_conv_mean_pool_averages_the_four_strided_grids():
     out = pool.conv(x)
     expected = (out[..., ::2, ::2] + out[..., 1::2, ::2] + out[..., ::2, 1::2] + out[..., 1::2, 1::2]) / 4
     assert torch.allclose(pool(x), expected, atol=1e-12)
+
+
+@pytest.mark.parametrize("side", [6, 7])
+def test_mean_pool_equals_avg_pool2d(side):
+    x = torch.randn(2, 3, side, side + 1, dtype=F64)
+    assert torch.allclose(mean_pool2(x), torch.nn.functional.avg_pool2d(x, 2), atol=1e-12)
+
+
+def test_conv_mean_pool_saves_less_than_conv_then_avg_pool2d():
+    # the pooled convolution output is not kept for backward: only the input of the convolution is
+    torch.manual_seed(0)
+    pool = ConvMeanPool(4, 4)
+    x = torch.randn(2, 4, 16, 16, requires_grad=True)
+    with SavedTensorMeter(exclude=pool.parameters()) as ours:
+        out = pool(x)
+    with SavedTensorMeter(exclude=pool.parameters()) as ref:
+        expected = torch.nn.functional.avg_pool2d(pool.conv(x), 2)
+    assert torch.allclose(out, expected, atol=1e-6)
+    assert ours.bytes == x.numel() * x.element_size()
+    assert ref.bytes == 2 * ours.bytes
 
 
 def test_ncsnv2_at_cifar10_size_has_the_published_parameter_count():
