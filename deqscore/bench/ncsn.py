@@ -25,6 +25,7 @@ BODIES = (
     Variant("shallow explicit", "configs/ncsn/shallow_cifar10.yaml"),
     Variant("DEQ, phantom", "configs/ncsn/deq_cifar10.yaml"),
     Variant("DEQ, IFT", "configs/ncsn/deq_cifar10.yaml", {"net.deq.backward": "ift"}),
+    Variant("DEQ reference (full resolution), phantom", "configs/ncsn/deq_cifar10_reference.yaml"),
     Variant("NCSNv2", "configs/ncsn/ncsnv2_cifar10.yaml"),
 )
 LOSSES = ("annealed_dsm", "annealed_ssm_vr")  # the configs' SSM-VR and NCSNv2's own DSM
@@ -37,7 +38,7 @@ SIZES: dict[str, Options] = {
     "full": {"net.dim": 3 * 32 * 32},  # CIFAR-10's images, the configs' data
     "quick": {"net.dim": 3 * 8 * 8, "net.ngf": 4, "n_levels": 10},
 }
-BATCH = {"full": 128, "quick": 4}  # training step and sampling
+BATCH = {"full": 16, "quick": 4}  # training step and sampling (memory is linear in it; CPU rows stay affordable)
 
 
 def options(s: Settings, body: Variant, loss: str | None = None) -> dict[str, object]:

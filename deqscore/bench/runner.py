@@ -58,7 +58,7 @@ def run(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        settings = get_settings(quick, repeats, trained_checkpoint)
+        settings = get_settings(quick, repeats, trained_checkpoint, str(out_dir))
         dev, names = resolve_device(device), check_sections(sections)
         return _run(settings, dev, Path(out_dir), names, {"command": command} if command else {})
     finally:

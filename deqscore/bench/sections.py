@@ -12,6 +12,7 @@ from torch import nn
 from ..deq import DEQ
 from ..deq.solvers import get_solver, picard
 from ..models import DEQMNet, explicit_mlp
+from .depth import depth as depth_section
 from .dkef import dkef
 from .measure import CouplingDensity, log, make_inputs, measure_step, ssm_loss, timed
 from .ncsn import ncsn
@@ -280,5 +281,6 @@ SECTION_FUNCS = {
     "dkef": dkef,
     "ncsn": ncsn,
     "vae": vae,
+    "depth": depth_section,
 }
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-SECTIONS: tuple[str, ...] = ("memory_vs_iterations", "phantom_fidelity", "solvers", "nice", "dkef", "ncsn", "vae")
+SECTIONS: tuple[str, ...] = ("memory_vs_iterations", "phantom_fidelity", "solvers", "nice", "dkef", "ncsn", "vae",
+                             "depth")
 SOLVERS: tuple[str, ...] = ("picard", "anderson", "broyden")
 DEFAULT_OUT = "benchmarks/results"
 MNIST_DIM = 784  # data dimension for which real (logit-space MNIST) inputs are used
@@ -24,6 +25,7 @@ class Settings:
     """Sizes of one benchmark mode. ``d_in`` is the m-net input (half the data dimension)."""
 
     mode: str = "full"
+    out_dir: str = DEFAULT_OUT  # where the report goes (sections with files of their own write beside it)
     seed: int = 0
     trained_checkpoint: str | None = None  # a DEQ-NICE checkpoint: also time the solvers on its trained blocks
     flush_denormal: bool = True  # CPU: denormal floats (vanishing unrolled gradients) are ~100x slower
@@ -78,9 +80,12 @@ QUICK = replace(
 )
 
 
-def get_settings(quick: bool, repeats: int | None = None, trained_checkpoint: str | None = None) -> Settings:
-    """The settings of a mode, with ``repeats`` and ``trained_checkpoint`` overridden when given."""
+def get_settings(quick: bool, repeats: int | None = None, trained_checkpoint: str | None = None,
+                 out_dir: str | None = None) -> Settings:
+    """The settings of a mode, with ``repeats``, ``trained_checkpoint`` and ``out_dir`` overridden when given."""
     settings = QUICK if quick else FULL
+    if out_dir is not None:
+        settings = replace(settings, out_dir=str(out_dir))
     if trained_checkpoint is not None:
         settings = replace(settings, trained_checkpoint=str(trained_checkpoint))
     if repeats is not None:

@@ -22,9 +22,10 @@ from .measure import log, measure_step, timed
 from .report import Column, Table, ratio_cells
 from .settings import Settings
 
-ARCHS = {  # (explicit, DEQ) score networks of each architecture
+ARCHS = {  # (explicit, DEQ, ...) score networks of each architecture; ratio rows divide each DEQ by the explicit
     "MNIST MLP": (Variant("explicit", "configs/vae/explicit_mnist.yaml"), Variant("deq", "configs/vae/deq_mnist.yaml")),
-    "conv": (Variant("explicit", "configs/vae/explicit_celeba.yaml"), Variant("deq", "configs/vae/deq_celeba.yaml")),
+    "conv": (Variant("explicit", "configs/vae/explicit_celeba.yaml"), Variant("deq", "configs/vae/deq_celeba.yaml"),
+             Variant("deq reference", "configs/vae/deq_celeba_reference.yaml")),
 }
 # The benchmark's options and batches, the one place they are stated. The conv batch is 16: the DEQ's
 # full-resolution solve makes CPU rows slow at the configs' 128.
@@ -40,7 +41,7 @@ BATCH = {"full": {"MNIST MLP": 128, "conv": 16}, "quick": {"MNIST MLP": 4, "conv
 
 def options(s: Settings, arch: str, variant: Variant) -> dict[str, object]:
     """The options a row is built with: the mode's sizes and (DEQ) the solver's."""
-    return {**SIZES[s.mode][arch], **(DEQ_OPTIONS[s.mode] if variant.label == "deq" else {})}
+    return {**SIZES[s.mode][arch], **(DEQ_OPTIONS[s.mode] if "deq" in variant.label else {})}
 
 
 def build_vae(s: Settings, arch: str, variant: Variant) -> VAEModule:
@@ -80,9 +81,9 @@ def _row(s: Settings, arch: str, variant: Variant, device: torch.device) -> dict
             "solver_iters": deqs[0].stats.nstep if deqs else None}
 
 
-def _ratio(explicit: dict, deq: dict, arch: str) -> dict:
+def _ratio(explicit: dict, deq: dict, label: str, arch: str) -> dict:
     keys = ("score_params", "params", "act_mib", "peak_mib", "time_ms", "iteration_ms")
-    return {"model": f"ratio DEQ / explicit, {arch}", **ratio_cells(deq, explicit, keys)}
+    return {"model": f"ratio {label} / explicit, {arch}", **ratio_cells(deq, explicit, keys)}
 
 
 def vae(s: Settings, device: torch.device) -> Table:
@@ -92,9 +93,11 @@ def vae(s: Settings, device: torch.device) -> Table:
         Column("peak_mib", "score step: CUDA peak (MiB)", ".1f"), Column("time_ms", "score step (ms)", ".1f"),
         Column("iteration_ms", "training iteration (ms)", ".1f"), Column("solver_iters", "DEQ solver iters", "d"),
     ])
-    for arch, variants in ARCHS.items():
-        explicit, deq = (_row(s, arch, v, device) for v in variants)
-        table.rows += [explicit, deq, _ratio(explicit, deq, arch)]
+    for arch, (explicit_variant, *deq_variants) in ARCHS.items():
+        explicit = _row(s, arch, explicit_variant, device)
+        deqs = [(v.label, _row(s, arch, v, device)) for v in deq_variants]
+        table.rows += [explicit, *(row for _, row in deqs)]
+        table.rows += [_ratio(explicit, row, label, arch) for label, row in deqs]
     table.meta["options"] = {f"{arch}, {v.label}": options(s, arch, v) for arch, vs in ARCHS.items() for v in vs}
     table.meta["batch"] = BATCH[s.mode]
     table.notes += [

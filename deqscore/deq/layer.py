@@ -148,6 +148,9 @@ class DEQ(nn.Module):
         # check_every != 1: device counters since the last read_deferred() (not in checkpoints, like z_cache):
         # solves that missed their tolerance, IFT backward solves that missed theirs, and solves counted
         self._pending: dict[str, torch.Tensor] = {}
+        # IFT backward solves since construction (or a resume) and those that stopped at ift_max_iter without
+        # meeting ift_tol: a device tensor [solves, failures], updated without a host sync (ift_failure_fraction)
+        self.ift_counts: torch.Tensor | None = None
         # Plain data, never in checkpoints; every process (DDP rank) keeps its own. Not a buffer: the set of a
         # module's buffers must not change when a forward fills the cache (weight averaging pairs buffers by order).
         self.z_cache: torch.Tensor | None = None
@@ -184,6 +187,17 @@ class DEQ(nn.Module):
         )
         self._record(stats)
         return z
+
+    def _count_ift(self, failed: torch.Tensor) -> None:
+        step = torch.stack([torch.ones_like(failed, dtype=torch.float32), failed.detach().to(torch.float32)])
+        self.ift_counts = step if self.ift_counts is None else self.ift_counts.to(step.device) + step
+
+    def ift_failure_fraction(self) -> torch.Tensor | None:
+        """The fraction of this layer's IFT backward solves (since construction or a resume) that stopped at
+        ``ift_max_iter`` without meeting ``ift_tol``, a device tensor; None before the first IFT backward."""
+        if self.ift_counts is None:
+            return None
+        return self.ift_counts[1] / self.ift_counts[0]
 
     def _count(self, name: str, value: torch.Tensor) -> None:
         value = value.detach().to(torch.float32)
@@ -283,8 +297,10 @@ class DEQ(nn.Module):
                 change, size = torch.stack([(g_new - g).norm(), g_new.norm()]).tolist()
                 g = g_new
                 if change <= tol * (size + 1e-30):
+                    self._count_ift(torch.zeros((), device=g.device))
                     break
             else:
+                self._count_ift(torch.ones((), device=g.device))
                 warnings.warn(
                     f"DEQ IFT backward did not converge in {max_iter} iterations: relative change "
                     f"{change / (size + 1e-30):.3e} > ift_tol {tol:.1e}; the gradient is inexact",
@@ -313,6 +329,7 @@ class DEQ(nn.Module):
             if check_every and i % check_every == 0 and bool(done):  # one sync per checked iteration
                 break
         self._count("backward_failures", ~done)
+        self._count_ift(~done)
         return g
 
 

@@ -180,6 +180,19 @@ class ScoreModule(pl.LightningModule):
         stats = [d.stats for d in self.deq_layers() if d.stats is not None]
         if not stats:
             return {}
+        return {**self._solve_stats(stats), **self._ift_stats()}
+
+    def _ift_stats(self) -> dict[str, torch.Tensor]:
+        """``deq/ift_backward_failures``: the fraction of IFT backward solves so far (since the start or the resume)
+        that stopped at ``ift_max_iter`` without meeting ``ift_tol`` (kept on the device: no host sync)."""
+        counts = [d.ift_counts for d in self.deq_layers() if d.ift_counts is not None]
+        if not counts:
+            return {}
+        total = torch.stack(counts).sum(0)
+        return {"deq/ift_backward_failures": total[1] / total[0]}
+
+    @staticmethod
+    def _solve_stats(stats: list) -> dict[str, float | torch.Tensor]:
         if any(s.deferred for s in stats):  # device tensors (check_every != 1): logged without a host sync
             device = next(s.converged.device for s in stats if s.deferred)
             as_t = lambda v: torch.as_tensor(v, dtype=torch.float32).to(device)  # noqa: E731

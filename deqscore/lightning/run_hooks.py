@@ -168,7 +168,8 @@ class ClosingStage(pl.Callback):
 
     def on_fit_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         # Lightning calls no train hooks when the resumed fit loop is already done, but it does end the fit
-        if not self._done and trainer.ckpt_path and not self.final_path(trainer).exists():
+        has_stage = getattr(module, "closing_stage", None) is not None
+        if has_stage and not self._done and trainer.ckpt_path and not self.final_path(trainer).exists():
             rank_zero_info(f"training of this run is done but {self.final_path(trainer)} is missing: running the "
                            "closing stage")
             self._run(trainer, module)

@@ -39,7 +39,7 @@ from ..deq import DEQ, DEQFactory
 from ..errors import ConfigError, check_count, choice_error
 from .common import image_side
 
-NCSN_BODIES = ("ncsnv2", "shallow", "deq")
+NCSN_BODIES = ("ncsnv2", "shallow", "deq", "deq_full")
 
 
 # ---------------------------------------------------------------- NCSNv2 building blocks
@@ -259,8 +259,9 @@ class NCSNDEQMap(nn.Module):
         return h / self.norm_scalar()
 
 
-class DEQBody(nn.Module):
-    """The DEQ body: a fixed point at full resolution, two residual blocks, two light RefineNet blocks."""
+class FullResDEQBody(nn.Module):
+    """The reference DEQ body (``body="deq_full"``): a fixed point at full resolution, two residual blocks, two light
+    RefineNet blocks."""
 
     def __init__(self, ngf: int, deq: DEQFactory, grad_through_norm: bool = False, double_prestep: bool = False):
         super().__init__()
@@ -274,6 +275,25 @@ class DEQBody(nn.Module):
         return self.refine2([self.refine1([self.res(z), z]), u])
 
 
+class DEQBody(nn.Module):
+    """The DEQ body at half resolution (``body="deq"``): a residual block halves the resolution (ngf -> 2 ngf
+    channels), the fixed point ``z* = RB(z*) / w + u`` lives there, and one RefineNet block of plain units fuses
+    ``z*`` with the full-resolution ``begin_conv`` output (the skip) back to full resolution.
+
+    Every tensor the fixed point records is half the size of a full-resolution ``ngf`` map (2 ngf channels at a
+    quarter of the pixels), and the full-resolution work is the down block's and the refine block's only.
+    """
+
+    def __init__(self, ngf: int, deq: DEQFactory, grad_through_norm: bool = False, double_prestep: bool = False):
+        super().__init__()
+        self.down = ResidualBlock(ngf, 2 * ngf, "down")
+        self.deq = deq(NCSNDEQMap(2 * ngf, grad_through_norm, double_prestep))
+        self.refine = RefineBlock([ngf, 2 * ngf], ngf, end=True, rcu_blocks=1)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.refine([h, self.deq(self.down(h))])
+
+
 # ---------------------------------------------------------------- the network
 
 
@@ -284,8 +304,9 @@ class NCSN(nn.Module):
         dim: values per image, ``channels * side^2`` (linked from the data module).
         channels: image channels.
         ngf: base width (128 in NCSNv2 on CIFAR-10).
-        body: ``"ncsnv2"``, ``"shallow"`` or ``"deq"``.
-        deq: the DEQ layer of the ``"deq"`` body, called with its fixed-point map (default: DEQ's options).
+        body: ``"ncsnv2"``, ``"shallow"``, ``"deq"`` (fixed point at half resolution) or ``"deq_full"`` (the
+            reference design, fixed point at full resolution).
+        deq: the DEQ layer of the DEQ bodies, called with its fixed-point map (default: DEQ's options).
         grad_through_norm: differentiate the DEQ map's normaliser ``w`` (reference: no).
         double_prestep: the reference's pre-step ``RB(RB(z*)) / w`` (needs the DEQ's ``injection_prestep``).
         centered: inputs already in ``[-1, 1]`` (otherwise ``h = 2x - 1`` for data in ``[0, 1]``).
@@ -296,7 +317,7 @@ class NCSN(nn.Module):
         dim: int,  # values per image (linked from the data module)
         channels: int = 3,  # image channels: 1 for MNIST, 3 for CIFAR-10 / CelebA
         ngf: int = 128,  # base number of feature maps
-        body: Literal["ncsnv2", "shallow", "deq"] = "deq",  # the network between begin_conv and the head
+        body: Literal["ncsnv2", "shallow", "deq", "deq_full"] = "deq",  # the network between begin_conv and the head
         deq: DEQFactory | None = None,  # DEQ layer options (body="deq"); None: DEQ's defaults
         grad_through_norm: bool = False,  # gradient through the DEQ map's normaliser w (reference: no)
         double_prestep: bool = False,  # the reference's double block application in the pre-step
@@ -308,11 +329,11 @@ class NCSN(nn.Module):
         check_count("NCSN dim", dim)
         check_count("NCSN ngf", ngf)
         self.side = image_side(dim, channels, "NCSN")
-        if body == "ncsnv2" and self.side % 2:
-            raise ConfigError(f"NCSN body 'ncsnv2' halves the resolution once: the image side must be even, got "
+        if body in ("ncsnv2", "deq") and self.side % 2:
+            raise ConfigError(f"NCSN body '{body}' halves the resolution once: the image side must be even, got "
                               f"{self.side}")
-        if double_prestep and body != "deq":
-            raise ConfigError("NCSN double_prestep applies only to body='deq'")
+        if double_prestep and body not in ("deq", "deq_full"):
+            raise ConfigError("NCSN double_prestep applies only to the DEQ bodies ('deq', 'deq_full')")
         self.dim, self.channels, self.body_kind, self.centered = dim, channels, body, centered
         self.begin_conv = conv3x3(channels, ngf)
         if body == "ncsnv2":
@@ -320,7 +341,8 @@ class NCSN(nn.Module):
         elif body == "shallow":
             self.body = ShallowBody(ngf)
         else:
-            self.body = DEQBody(ngf, deq or DEQ, grad_through_norm, double_prestep)
+            deq_body = DEQBody if body == "deq" else FullResDEQBody
+            self.body = deq_body(ngf, deq or DEQ, grad_through_norm, double_prestep)
             if double_prestep and not self.body.deq.injection_prestep:
                 raise ConfigError("NCSN double_prestep needs the DEQ option injection_prestep: true (it changes "
                                   "only the pre-step)")

@@ -37,7 +37,7 @@ from ..losses import sliced_score_matching
 from .common import image_side
 
 VAE_ARCHS = ("mlp", "conv")
-SCORE_NETS = ("explicit", "deq")
+SCORE_NETS = ("explicit", "deq", "deq_full")
 GAUSSIAN_LOG_STD = -0.602  # the conv decoder's fixed output log standard deviation (std 0.548)
 LOG_2PI = math.log(2 * math.pi)
 
@@ -148,12 +148,12 @@ class ConvDecoder(nn.Module):
 
 
 class ConvDEQScoreMap(nn.Module):
-    """``F(h, u) = SP(conv_W(h)) / w + u``, 5x5 convolution without bias, ``w = C (||W||_F + 1e-6)`` (no gradient;
-    ``C > 5`` bounds the Lipschitz constant of a 5x5 convolution below 1, docs/method.md 2.2)."""
+    """``F(h, u) = SP(conv_W(h)) / w + u``, a k x k convolution without bias, ``w = C (||W||_F + 1e-6)`` (no
+    gradient; ``C > k`` bounds the Lipschitz constant of a k x k convolution below 1, docs/method.md 2.2)."""
 
-    def __init__(self, nef: int, norm_scale: float):
+    def __init__(self, nef: int, norm_scale: float, kernel_size: int = 5):
         super().__init__()
-        self.conv = _conv(nef, nef, stride=1, bias=False)
+        self.conv = _conv(nef, nef, stride=1, k=kernel_size, bias=False)
         self.norm_scale = norm_scale
 
     def forward(self, h: Tensor, u: Tensor) -> Tensor:
@@ -162,10 +162,18 @@ class ConvDEQScoreMap(nn.Module):
 
 
 class ConvScore(nn.Module):
-    """``s(x, z)``: z as an extra ``side x side`` channel (FC, BN, SP); explicit: stride-2 convolutions with
-    nef * (1, 2, 4, ...) channels to 4x4, FC 512, Linear z; DEQ: ``u = SP(conv(x, z-map))``, the fixed point of
-    :class:`ConvDEQScoreMap` at full resolution, a residual ``SP(conv h) + h``, then three stride-2 convolutions
-    with 2nef, 4nef, 8nef channels (to side / 8), FC 512, Linear z."""
+    """``s(x, z)``: z as an extra ``side x side`` channel (FC, BN, SP), then one of
+
+    * ``"explicit"``: stride-2 5x5 convolutions with nef * (1, 2, 4, ...) channels down to 4x4, FC 512, Linear z;
+    * ``"deq"``: a 4x4 stride-4 convolution (a patch embedding) to ``side / 4`` with 2 nef channels, the fixed point
+      of :class:`ConvDEQScoreMap` there (3x3 convolution), then the explicit net's remaining stride-2 convolutions
+      (4 nef, 8 nef, ... channels) down to 4x4, FC 512, Linear z. The fixed point takes the place of the explicit
+      net's first two layers at the resolution of its second, so it records a fraction of the explicit net's
+      activations, and its parameters are fewer;
+    * ``"deq_full"`` (the reference design): ``u = SP(conv(x, z-map))``, the fixed point of
+      :class:`ConvDEQScoreMap` (5x5) at full resolution with nef channels, a residual ``SP(conv h) + h``, three
+      stride-2 convolutions with 2nef, 4nef, 8nef channels (to side / 8), FC 512, Linear z.
+    """
 
     def __init__(self, channels: int, side: int, z_dim: int, nef: int, kind: str, deq: DEQFactory,
                  norm_scale: float):
@@ -174,12 +182,19 @@ class ConvScore(nn.Module):
         self.z_map = nn.Sequential(nn.Linear(z_dim, side * side), nn.BatchNorm1d(side * side), nn.Softplus())
         if kind == "explicit":
             widths = [channels + 1] + [nef * 2**i for i in range(n)]
+        elif kind == "deq":
+            if n < 2:
+                raise ConfigError(f"VAE score 'deq' (conv) embeds 4x4 patches: the image side must be at least 16, "
+                                  f"got {side}; use score 'explicit'")
+            self.inject = nn.Conv2d(channels + 1, 2 * nef, 4, stride=4)
+            self.deq = deq(ConvDEQScoreMap(2 * nef, norm_scale, kernel_size=3))
+            widths = [nef * 2**i for i in range(1, n)]
         else:
             self.inject = _conv(channels + 1, nef, stride=1)
             self.deq = deq(ConvDEQScoreMap(nef, norm_scale))
             self.refine = _conv(nef, nef, stride=1)
             widths = [nef * 2**i for i in range(4)]
-        out_side = side // 2 ** (len(widths) - 1)
+        out_side = side // 2 ** (len(widths) - 1) // (4 if kind == "deq" else 1)
         self.convs = _down_stack(widths, nn.Softplus)
         self.head = nn.Sequential(nn.Flatten(), nn.Linear(widths[-1] * out_side**2, 512), nn.Softplus(),
                                   nn.Linear(512, z_dim))
@@ -187,6 +202,8 @@ class ConvScore(nn.Module):
     def forward(self, x: Tensor, z: Tensor) -> Tensor:
         h = torch.cat([x, self.z_map(z).view(-1, 1, self.side, self.side)], 1)
         if self.kind == "deq":
+            h = self.deq(self.inject(h))
+        elif self.kind == "deq_full":
             h = self.deq(F.softplus(self.inject(h)))
             h = F.softplus(self.refine(h)) + h
         return self.head(self.convs(h))
@@ -253,9 +270,13 @@ class ImplicitVAE(_Decoding):
         z_dim, eps_dim: latent and encoder-noise sizes.
         hidden: MLP width.
         nef: base channels of the conv networks.
-        score: ``"explicit"`` or ``"deq"`` score network.
+        score: ``"explicit"``, ``"deq"`` or (conv) ``"deq_full"``, the reference design with its fixed point at
+            full resolution (see :class:`ConvScore`).
         deq: DEQ layer options of the DEQ score network (``backward="ift"`` is refused: SSM-VR is second-order).
-        norm_scale: C of the DEQ map's normaliser ``w = C (||W||_F + 1e-6)``.
+        norm_scale: C of the DEQ map's normaliser ``w = C (||W||_F + 1e-6)``; the map contracts when C exceeds
+            the map's bound (1 for the MLP, the kernel size k for a k x k convolution: 3 for ``"deq"``, 5 for
+            ``"deq_full"``), and smaller values are refused. None: twice the bound (a contraction factor of at
+            most 1/2).
         n_projections: projection vectors of the score network's SSM-VR loss.
     """
 
@@ -268,16 +289,19 @@ class ImplicitVAE(_Decoding):
         eps_dim: int = 8,  # encoder noise size
         hidden: int = 256,  # MLP width
         nef: int = 64,  # conv base channels
-        score: Literal["explicit", "deq"] = "deq",  # score network of the entropy gradient
-        deq: DEQFactory | None = None,  # DEQ layer options (score="deq")
-        norm_scale: float = 2.0,  # C of w = C (||W||_F + 1e-6); C > 1 (MLP), C > 5 (5x5 conv) contract
+        score: Literal["explicit", "deq", "deq_full"] = "deq",  # score network of the entropy gradient
+        deq: DEQFactory | None = None,  # DEQ layer options (the DEQ score networks)
+        norm_scale: float | None = None,  # C of w = C (||W||_F + 1e-6); None: twice the map's contraction bound
         n_projections: int = 1,  # projections of the score network's SSM-VR loss
     ):
         super().__init__()
         side = _check(dim, channels, arch, z_dim, eps_dim, hidden)
         if score not in SCORE_NETS:
             raise choice_error("VAE score", score, SCORE_NETS)
-        check_real("VAE norm_scale", norm_scale)
+        if score == "deq_full" and arch != "conv":
+            raise ConfigError("VAE score 'deq_full' is the conv reference design (fixed point at full resolution); "
+                              "for arch 'mlp' use score 'deq'")
+        norm_scale = _norm_scale(arch, score, norm_scale)
         check_count("VAE n_projections", n_projections)
         self._build_decoder(arch, dim, channels, side, z_dim, hidden, nef)
         self.eps_dim, self.score_kind, self.n_projections = eps_dim, score, n_projections
@@ -318,6 +342,19 @@ class ImplicitVAE(_Decoding):
         with torch.no_grad():
             s = self.score(self.net_input(x), z.detach())
         return -self.log_joint(x, z) + (s * z).sum(1)
+
+
+def _norm_scale(arch: str, score: str, norm_scale: float | None) -> float:
+    """The DEQ map's C, checked against the bound above which the map contracts (a non-contractive map gives a
+    fixed point the solver may not find and phantom gradients that do not approximate the implicit one)."""
+    bound = 1.0 if arch == "mlp" else 3.0 if score == "deq" else 5.0
+    if norm_scale is None:
+        return 2 * bound
+    check_real("VAE norm_scale", norm_scale)
+    if score != "explicit" and norm_scale <= bound:
+        raise ConfigError(f"VAE norm_scale must exceed {bound:g} for score {score!r} with arch {arch!r} (the DEQ "
+                          f"map's Lipschitz bound is {bound:g} / norm_scale), got {norm_scale:g}")
+    return norm_scale
 
 
 class GaussianVAE(_Decoding):

@@ -250,6 +250,21 @@ def test_ift_backward_warns_when_its_solve_does_not_converge():
         net(x).pow(2).mean().backward()
 
 
+@pytest.mark.parametrize("check_every", [1, 0])
+def test_ift_failure_fraction_counts_backward_solves_that_missed_ift_tol(check_every):
+    """Three backward solves capped at 2 iterations (they miss 1e-8), then one with room to converge: 3 of 4."""
+    net = _make("ift", rho=0.9, ift_max_iter=2)
+    net.deq.check_every, net.deq.warn_on_nonconvergence = check_every, False
+    x = torch.randn(4, DIM, dtype=torch.float64)
+    assert net.deq.ift_failure_fraction() is None
+    for _ in range(3):
+        net(x).pow(2).mean().backward()
+    assert net.deq.ift_failure_fraction().item() == 1.0
+    net.deq.ift_max_iter = 500
+    net(x).pow(2).mean().backward()
+    assert net.deq.ift_failure_fraction().item() == 0.75
+
+
 class RecordingMap(TanhMap):
     """A :class:`TanhMap` that keeps a weak reference to every input that requires grad (the backward graph's)."""
 

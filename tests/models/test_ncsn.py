@@ -91,12 +91,22 @@ def test_ncsnv2_at_cifar10_size_has_the_published_parameter_count():
     assert parameter_count(NCSN(dim=3 * 32 * 32, ngf=128, body="ncsnv2")) == pytest.approx(29.7e6, rel=2e-3)
 
 
-def test_deq_body_output_is_the_fixed_point_and_double_prestep_is_not():
+DEQ_BODIES = ("deq", "deq_full")
+
+
+def _injection(net: NCSN, u_side: torch.Tensor) -> torch.Tensor:
+    """The DEQ's input for a begin_conv output ``u_side``: the down block's output (half resolution, 2 ngf) in the
+    ``deq`` body, the begin_conv output itself in ``deq_full``."""
+    return net.body.down(u_side) if net.body_kind == "deq" else u_side
+
+
+@pytest.mark.parametrize("body", DEQ_BODIES)
+def test_deq_body_output_is_the_fixed_point_and_double_prestep_is_not(body):
     deq = partial(DEQ, solver="anderson", tol=1e-11, max_iter=300, stop_mode="rel", injection_prestep=True,
                   phantom_steps=1)
-    nets = {double: _net("deq", deq=deq, double_prestep=double) for double in (False, True)}
+    nets = {double: _net(body, deq=deq, double_prestep=double) for double in (False, True)}
     nets[True].load_state_dict(nets[False].state_dict())
-    u = torch.randn(2, 4, 8, 8, dtype=F64)
+    u = _injection(nets[False], torch.randn(2, 4, 8, 8, dtype=F64))
     layer = nets[False].body.deq
     z_single, z_double = (net.body.deq(u) for net in nets.values())
     residual = (layer.func(z_single, u) - z_single).norm() / z_single.norm()
@@ -105,15 +115,46 @@ def test_deq_body_output_is_the_fixed_point_and_double_prestep_is_not():
     assert (z_double - z_single).norm() / z_single.norm() > 1e3 * residual
 
 
-def test_ift_gives_the_unrolled_parameter_gradient_for_annealed_dsm():
+def test_deq_body_holds_its_fixed_point_at_half_resolution_and_records_less():
+    """The default body solves at side / 2 with 2 ngf channels, the reference body at full resolution with ngf;
+    the default's training step records less than the reference's and than the shallow explicit body's."""
+    nets = {body: _net(body, side=16, ngf=8).float() for body in ("deq", "deq_full", "shallow")}
+    h = torch.randn(2, 8, 16, 16)
+    assert nets["deq"].body.down(h).shape == (2, 16, 8, 8)
+    x, sigmas, labels = torch.rand(4, 3 * 16 * 16), torch.tensor([1.0, 0.1]), torch.tensor([0, 1, 0, 1])
+    saved = {}
+    for body, net in nets.items():
+        with SavedTensorMeter(exclude=net.parameters()) as meter:
+            torch.manual_seed(0)
+            annealed_dsm(net, x, sigmas, labels).mean().backward()
+        saved[body] = meter.bytes
+    assert saved["deq"] < 0.6 * saved["deq_full"] and saved["deq"] < 0.6 * saved["shallow"]
+
+
+@pytest.mark.parametrize("body", DEQ_BODIES)
+def test_deq_map_contracts_on_its_fixed_point(body):
+    """Power iteration on the map's Jacobian at the fixed point: spectral radius below 1 at initialisation."""
+    net = _net(body)
+    u = _injection(net, torch.randn(1, 4, 8, 8, dtype=F64))
+    z = net.body.deq(u).detach()
+    v = torch.randn_like(z)
+    for _ in range(50):
+        v = torch.autograd.functional.jvp(lambda z_: net.body.deq.func(z_, u), z, v)[1]
+        rate, v = v.norm(), v / v.norm()
+    assert 0 < rate < 1
+
+
+@pytest.mark.parametrize("body", DEQ_BODIES)
+def test_ift_gives_the_unrolled_parameter_gradient_for_annealed_dsm(body):
     deq = partial(DEQ, solver="anderson", tol=1e-12, max_iter=400, stop_mode="rel", ift_tol=1e-12,
                   ift_max_iter=400, backward="ift")
-    net = _net("deq", deq=deq)
+    net = _net(body, deq=deq)
     x, sigmas = torch.rand(3, 192, dtype=F64), torch.tensor([1.0, 0.3, 0.1], dtype=F64)
     labels = torch.tensor([0, 1, 2])
 
-    def grads(mode: str) -> torch.Tensor:
+    def grads(mode: str, steps: int | None = None) -> torch.Tensor:
         net.zero_grad()
+        net.body.deq.phantom_steps = steps or 1
         torch.manual_seed(4)
         with deq_backward(net, mode):
             annealed_dsm(net, x, sigmas, labels).mean().backward()
@@ -122,6 +163,8 @@ def test_ift_gives_the_unrolled_parameter_gradient_for_annealed_dsm():
     ift, unroll = grads("ift"), grads("unroll")
     assert torch.allclose(ift, unroll, rtol=1e-5, atol=1e-8)
     assert not torch.allclose(grads("phantom"), unroll, rtol=1e-3)  # a truncated gradient differs: test can fail
+    # enough phantom steps from the fixed point converge to the same gradient
+    assert torch.allclose(grads("phantom", 200), unroll, rtol=1e-5, atol=1e-8)
 
 
 @pytest.mark.parametrize(("kw", "match"), [
@@ -137,9 +180,10 @@ def test_bad_options_raise_config_error(kw, match):
         NCSN(**opts)
 
 
-def test_ncsnv2_body_needs_an_even_side_and_inputs_their_size():
+@pytest.mark.parametrize("body", ["ncsnv2", "deq"])
+def test_bodies_that_halve_the_resolution_need_an_even_side_and_inputs_their_size(body):
     with pytest.raises(ConfigError, match="even"):
-        NCSN(dim=3 * 7 * 7, channels=3, ngf=4, body="ncsnv2")
+        NCSN(dim=3 * 7 * 7, channels=3, ngf=4, body=body)
     with pytest.raises(ValueError, match=r"\[B, 192\]"):
         _net("shallow")(torch.rand(2, 100, dtype=F64), torch.ones(2, dtype=F64))
 

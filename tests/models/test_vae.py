@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from deqscore.deq import DEQ
+from deqscore.deq import DEQ, deq_backward
 from deqscore.errors import ConfigError
 from deqscore.models import GaussianVAE, ImplicitVAE
 from deqscore.models.vae import log_standard_normal
@@ -83,8 +83,10 @@ def test_surrogate_entropy_gradient_matches_the_analytic_entropy_gradient():
     torch.testing.assert_close(grad_a, torch.zeros(3, 6), rtol=0, atol=0.03)
 
 
-@pytest.mark.parametrize("score", ["explicit", "deq"])
-@pytest.mark.parametrize("arch", ["mlp", "conv"])
+ARCH_SCORES = [("mlp", "explicit"), ("mlp", "deq"), ("conv", "explicit"), ("conv", "deq"), ("conv", "deq_full")]
+
+
+@pytest.mark.parametrize(("arch", "score"), ARCH_SCORES)
 def test_losses_reach_only_their_own_networks(arch, score):
     torch.manual_seed(0)
     dim, channels = (784, 1) if arch == "mlp" else (3 * 32 * 32, 3)
@@ -164,7 +166,62 @@ def test_deq_score_network_is_its_fixed_point():
     torch.testing.assert_close(net(x, z), net.head(h), rtol=1e-5, atol=1e-6)
 
 
+def _conv_deq_vae(score: str, deq=None, side: int = 16) -> ImplicitVAE:
+    torch.manual_seed(0)
+    return ImplicitVAE(dim=3 * side * side, channels=3, arch="conv", z_dim=2, eps_dim=2, nef=2, score=score,
+                       deq=deq).double()
+
+
+@pytest.mark.parametrize("score", ["deq", "deq_full"])
+def test_conv_deq_map_contracts_and_the_network_is_its_fixed_point(score):
+    vae = _conv_deq_vae(score, deq=lambda f: DEQ(f, max_iter=200, tol=1e-12, solver="anderson"))
+    net = vae.score
+    x, z = torch.rand(2, 3 * 16 * 16, dtype=torch.float64), torch.randn(2, 2, dtype=torch.float64)
+    h = torch.cat([vae.net_input(x), net.z_map(z).view(-1, 1, 16, 16)], 1)
+    u = net.inject(h) if score == "deq" else torch.nn.functional.softplus(net.inject(h))
+    z_star = net.deq(u).detach()
+    # the fixed point, found by plain iteration of the map from zero
+    w = torch.zeros_like(u)
+    for _ in range(200):
+        w = net.deq.func(w, u)
+    torch.testing.assert_close(z_star, w, rtol=1e-8, atol=1e-10)
+    assert z_star.shape[-1] == (4 if score == "deq" else 16)  # 4x4 patches: side / 4
+    # the map's Jacobian at the fixed point: spectral radius (power iteration) below the 1/2 of the default C
+    v = torch.randn_like(z_star)
+    for _ in range(50):
+        v = torch.autograd.functional.jvp(lambda q: net.deq.func(q, u), z_star, v)[1]
+        rate, v = v.norm(), v / v.norm()
+    assert 0 < rate < 0.5
+
+
+def test_conv_deq_phantom_gradient_of_the_score_loss_converges_to_the_unrolled_one():
+    """SSM-VR is second order: phantom steps from the fixed point, not IFT; with many steps they give the unrolled
+    gradient, with one a different (truncated) one."""
+    vae = _conv_deq_vae("deq", deq=lambda f: DEQ(f, max_iter=300, tol=1e-13, solver="anderson"))
+    x = torch.rand(2, 3 * 16 * 16, dtype=torch.float64)
+
+    def grads(mode: str, steps: int = 1) -> torch.Tensor:
+        vae.zero_grad()
+        vae.score.deq.phantom_steps = steps
+        torch.manual_seed(3)
+        with deq_backward(vae, mode):
+            vae.score_loss(x).mean().backward()
+        return torch.cat([p.grad.flatten() for p in vae.score.parameters()])
+
+    unroll = grads("unroll")
+    torch.testing.assert_close(grads("phantom", 60), unroll, rtol=1e-6, atol=1e-9)
+    assert not torch.allclose(grads("phantom", 1), unroll, rtol=1e-4, atol=1e-9)
+
+
 def test_bad_options_are_config_errors():
+    for arch, score, bound in (("mlp", "deq", "1"), ("conv", "deq", "3"), ("conv", "deq_full", "5")):
+        dim, channels = (784, 1) if arch == "mlp" else (3 * 16 * 16, 3)
+        with pytest.raises(ConfigError, match=f"norm_scale must exceed {bound}"):
+            ImplicitVAE(dim=dim, channels=channels, arch=arch, score=score, norm_scale=float(bound))
+    with pytest.raises(ConfigError, match="deq_full"):
+        ImplicitVAE(dim=784, score="deq_full")
+    with pytest.raises(ConfigError, match="at least 16"):
+        ImplicitVAE(dim=3 * 8 * 8, channels=3, arch="conv", score="deq")
     with pytest.raises(ConfigError, match="VAE arch"):
         ImplicitVAE(dim=4, arch="resnet")
     with pytest.raises(ConfigError, match="VAE score"):
@@ -177,16 +234,22 @@ def test_bad_options_are_config_errors():
         ImplicitVAE(dim=784, hidden=8).surrogate(torch.rand(2, 10))
 
 
-@pytest.mark.parametrize(("side", "score", "convs", "out_side"), [(64, "explicit", 4, 4), (64, "deq", 3, 8),
-                                                                   (32, "explicit", 3, 4), (32, "deq", 3, 4)])
-def test_conv_score_networks_downsample_as_documented(side, score, convs, out_side):
-    # explicit: stride-2 convolutions nef * (1, 2, 4, ...) to 4x4; DEQ: full-resolution fixed point, then three
-    # stride-2 convolutions 2nef, 4nef, 8nef (docs/method.md 4.3)
+@pytest.mark.parametrize(("side", "score", "convs", "top", "out_side"), [
+    (64, "explicit", 4, 8, 4), (64, "deq", 2, 8, 4), (64, "deq_full", 3, 8, 8),
+    (32, "explicit", 3, 4, 4), (32, "deq", 1, 4, 4), (32, "deq_full", 3, 8, 4),
+])
+def test_conv_score_networks_downsample_as_documented(side, score, convs, top, out_side):
+    # explicit: stride-2 convolutions nef * (1, 2, 4, ...) to 4x4; deq: 4x4 patches to side / 4 with 2 nef channels,
+    # the fixed point there, then the explicit net's remaining stride-2 convolutions; deq_full: full-resolution
+    # fixed point, then three stride-2 convolutions 2nef, 4nef, 8nef (docs/method.md 4.3)
     nef = 4
     vae = ImplicitVAE(dim=3 * side * side, channels=3, arch="conv", z_dim=2, eps_dim=2, nef=nef, score=score)
     strided = [m for m in vae.score.convs if isinstance(m, nn.Conv2d)]
     assert len(strided) == convs and all(m.stride == (2, 2) for m in strided)
-    assert strided[-1].out_channels == nef * 2 ** (convs - 1 if score == "explicit" else 3)
+    assert strided[-1].out_channels == nef * top
     assert vae.score.head[1].in_features == strided[-1].out_channels * out_side**2
+    if score == "deq":
+        inject = vae.score.inject
+        assert (inject.kernel_size, inject.stride, inject.out_channels) == ((4, 4), (4, 4), 2 * nef)
     x = torch.rand(2, 3 * side * side)
     assert vae.score(vae.net_input(x), torch.randn(2, 2)).shape == (2, 2)

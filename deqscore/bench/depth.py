@@ -1,0 +1,356 @@
+"""Section ``depth``: activation memory against depth, per family, DEQ against explicit stacks of its own block.
+
+For each family's DEQ config (``FAMILIES``) the benchmark builds the module as training does and measures one
+training step (the config's loss, forward and backward, :func:`deqscore.bench.measure.loss_step_bytes`) for
+
+* **explicit, depth d** (d = 2, 4, 8, 16): every DEQ layer replaced by :class:`UntiedStack`, d untied copies of the
+  map the DEQ iterates, applied in turn from ``z = 0`` with the same injection ``u``; the explicit net and the DEQ
+  then differ only in weight tying and in how the stack is differentiated;
+* **DEQ, K phantom steps** (K = 1, 2, 4) at 8, 32 and 128 solver iterations (a tolerance no solve meets forces
+  them), the phantom backward of the config otherwise.
+
+The DEQ's *effective depth* is the solver's mean iteration count at the config's tolerance on a batch of real
+data after a short training run of the config (``TRAIN_STEPS``), marked on the plots. One PNG per family
+(memory against depth or iterations, one line per variant) is written beside ``depth.md``.
+
+Every measured unit (a family's rows, a family's effective depth) is written to ``<out>/units/`` when done and
+read back instead of measured again, so an interrupted run continues where it stopped (delete the unit's file, or
+the folder, to measure again; a unit recorded with other settings is measured again).
+
+Run::
+
+    python -m deqscore.bench --sections depth [--quick] [--out DIR]   # units and plots under DIR/depth/
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..deq import DEQ
+from ..lightning.base import ScoreModule
+from ..metrics import parameter_count
+from .configs import ROOT, Options, build
+from .dkef import data_root
+from .measure import MIB, log, loss_step_bytes
+from .report import Column, Table
+from .settings import FORCED_TOL, Settings
+
+DEPTHS = {"full": (2, 4, 8, 16), "quick": (1, 2)}
+PHANTOM_STEPS = {"full": (1, 2, 4), "quick": (1, 2)}
+ITERATIONS = {"full": (8, 32, 128), "quick": (2, 8)}
+EFFECTIVE_DEPTH_MAX_ITER = 500  # solver cap when measuring the iterations the config's tolerance needs
+
+
+class UntiedStack(nn.Module):
+    """``depth`` untied copies of a DEQ's map ``f(z, u)``, applied in turn from ``z = 0``: the explicit network of
+    that depth made of the block the DEQ iterates (the copies are re-initialised, so their weights differ).
+
+    >>> from deqscore.models.nice import NICEDEQMap
+    >>> stack = UntiedStack(NICEDEQMap(8), depth=3)
+    >>> stack(torch.randn(2, 8)).shape, len(stack.blocks)
+    (torch.Size([2, 8]), 3)
+    """
+
+    def __init__(self, func: nn.Module, depth: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(_reinitialised(func) for _ in range(depth))
+
+    def forward(self, u: torch.Tensor, z0: torch.Tensor | None = None) -> torch.Tensor:
+        z = torch.zeros_like(u) if z0 is None else z0
+        for block in self.blocks:
+            z = block(z, u)
+        return z
+
+
+def _reinitialised(func: nn.Module) -> nn.Module:
+    block = copy.deepcopy(func)
+    for m in block.modules():
+        if m is not block and hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+    return block
+
+
+def untie(module: nn.Module, depth: int) -> nn.Module:
+    """``module`` with every :class:`DEQ` layer replaced by an :class:`UntiedStack` of its map (in place)."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, DEQ):
+                setattr(parent, name, UntiedStack(child.func, depth))
+    return module
+
+
+# ---------------------------------------------------------------- the families
+
+
+@dataclass(frozen=True)
+class DepthFamily:
+    """One family's DEQ config, its sizes per mode, the inputs of one measured step and the training step's loss.
+
+    ``train_args`` are the command-line options of the short training run that measures the effective depth (None:
+    no real data offline, no effective depth).
+    """
+
+    label: str
+    config: str
+    sizes: dict[str, Options]
+    batch: dict[str, int]
+    inputs: Callable[[ScoreModule, int, torch.Generator], torch.Tensor]
+    loss: Callable[[ScoreModule, torch.Tensor], torch.Tensor]
+    train_args: dict[str, list[str]] | None = None
+    deq_options: Options = field(default_factory=dict)
+
+
+def _gaussian(module: ScoreModule, n: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(n, module.net.dim, generator=gen)
+
+
+def _pixels(module: ScoreModule, n: int, gen: torch.Generator) -> torch.Tensor:
+    x = torch.rand(n, module.net.dim, generator=gen)
+    return x.bernoulli(generator=gen) if getattr(module, "binarize", False) else x
+
+
+def _module_loss(module: ScoreModule, x: torch.Tensor) -> torch.Tensor:
+    return module.loss_terms(x)["loss"]
+
+
+def _vae_score_loss(module: ScoreModule, x: torch.Tensor) -> torch.Tensor:
+    return module.net.score_loss(x).mean()  # the score network's step: where its DEQ is trained
+
+
+def _dkef_inputs(module: ScoreModule, n: int, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn(max(n, module.net.n_centres), module.net.dim, generator=gen)
+    module.net.init_centres(x, gen)
+    return x[:n]
+
+
+UCI_ROOT = str(data_root())
+_STEPS = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+_MNIST = ["--data.init_args.num_workers", "0"]
+_TINY_MNIST = ["--data.init_args.train_subset", "32", "--data.init_args.val_subset", "16",
+               "--data.init_args.test_subset", "16", "--data.init_args.batch_size", "8",
+               "--data.init_args.eval_batch_size", "8", *_MNIST]
+FAMILIES: dict[str, DepthFamily] = {
+    "nice": DepthFamily(
+        "NICE m-net", "configs/nice/deq.yaml",
+        {"full": {"net.dim": 784}, "quick": {"net.dim": 16, "net.hidden": 16, "net.n_couplings": 2}},
+        {"full": 128, "quick": 8}, _gaussian, _module_loss,
+        {"full": ["--trainer.max_steps", "300", *_MNIST],
+         "quick": ["--trainer.max_steps", "2", "--model.init_args.net.init_args.hidden", "16",
+                   "--model.init_args.exact_sm_samples", "4", *_TINY_MNIST]},
+    ),
+    "dkef": DepthFamily(
+        "DKEF feature net", "configs/dkef/deq.yaml",
+        {"full": {"net.dim": 11}, "quick": {"net.dim": 11, "net.hidden": 8, "net.n_centres": 10}},
+        {"full": 200, "quick": 20}, _dkef_inputs, _module_loss,
+        {"full": ["--trainer.max_steps", "200", "--data.init_args.root", UCI_ROOT,
+                  "--model.init_args.final_lambda_steps", "0"],
+         "quick": ["--trainer.max_steps", "2", "--data.init_args.root", UCI_ROOT,
+                   "--model.init_args.net.init_args.hidden", "8", "--model.init_args.net.init_args.n_centres", "10",
+                   "--model.init_args.alpha_points", "40", "--model.init_args.log_z_samples", "500",
+                   "--model.init_args.final_log_z_samples", "500", "--model.init_args.log_z_chunk", "250",
+                   "--model.init_args.final_lambda_steps", "0", "--model.init_args.exact_sm_batches", "1",
+                   "--trainer.limit_val_batches", "1"]},
+    ),
+    "vae_mlp": DepthFamily(
+        "VAE score net (MNIST MLP)", "configs/vae/deq_mnist.yaml",
+        {"full": {"net.dim": 784}, "quick": {"net.dim": 784, "net.hidden": 16}},
+        {"full": 128, "quick": 8}, _pixels, _vae_score_loss,
+        {"full": ["--trainer.max_steps", "900", *_MNIST],
+         "quick": ["--trainer.max_steps", "3", "--model.init_args.net.init_args.hidden", "16",
+                   "--model.init_args.val_ais_batches", "0", *_TINY_MNIST]},
+    ),
+    "vae_conv": DepthFamily(
+        "VAE score net (conv, 32x32)", "configs/vae/deq_cifar10.yaml",
+        {"full": {"net.dim": 3 * 32 * 32}, "quick": {"net.dim": 3 * 16 * 16, "net.nef": 4}},
+        {"full": 8, "quick": 4}, _pixels, _vae_score_loss,
+    ),
+    "ncsn": DepthFamily(
+        "NCSN body (MNIST)", "configs/ncsn/deq_mnist.yaml",
+        {"full": {"net.dim": 784}, "quick": {"net.dim": 64, "net.ngf": 4, "n_levels": 3}},
+        {"full": 8, "quick": 4}, _pixels, _module_loss,
+        {"full": ["--trainer.max_steps", "300", *_MNIST],
+         "quick": ["--trainer.max_steps", "2", "--model.init_args.net.init_args.ngf", "4",
+                   "--model.init_args.n_levels", "3", *_TINY_MNIST]},
+        # the config trains DSM with IFT; the curves compare phantom steps, the stacks backpropagate directly
+        {"net.deq.backward": "phantom"},
+    ),
+}
+VAL_ARGS = ["--trainer.limit_val_batches", "2"]
+
+
+# ---------------------------------------------------------------- units
+
+
+def _unit(out: Path, name: str, settings: dict, measure: Callable[[], Any]) -> Any:
+    """``measure()``, or what an earlier run recorded for ``name`` with the same ``settings``."""
+    path = out / "units" / f"{name}.json"
+    settings = json.loads(json.dumps(settings))  # as it reads back (tuples become lists)
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if saved.get("settings") == settings:
+            log(f"depth: {name} recorded earlier ({path})")
+            return saved["value"]
+    value = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"settings": settings, "value": value}, indent=1))
+    tmp.replace(path)
+    return value
+
+
+def _measure(family: DepthFamily, mode: str, options: Options, depth: int | None) -> dict:
+    """Parameters and activation memory of one training step of ``family`` built with ``options``; ``depth``:
+    the DEQ layers untied into explicit stacks of that depth."""
+    module = build(family.config, {**family.sizes[mode], **family.deq_options, **options}).train()
+    if depth is not None:
+        untie(module, depth)
+    gen = torch.Generator().manual_seed(0)
+    x = family.inputs(module, family.batch[mode], gen)
+
+    def loss() -> torch.Tensor:
+        torch.manual_seed(0)  # the same noise, projections and levels for every variant
+        return family.loss(module, x)
+
+    return {"params": parameter_count(module), "act_mib": loss_step_bytes(module, loss) / MIB}
+
+
+def family_rows(family: DepthFamily, mode: str) -> list[dict]:
+    rows = []
+    for depth in DEPTHS[mode]:
+        m = _measure(family, mode, {}, depth)
+        rows.append({"variant": "explicit", "depth": depth, **m})
+        log(f"depth: {family.label}: explicit depth {depth}: {m['act_mib']:.2f} MiB")
+    for k in PHANTOM_STEPS[mode]:
+        for iters in ITERATIONS[mode]:
+            opts = {"net.deq.phantom_steps": k, "net.deq.max_iter": iters, "net.deq.tol": FORCED_TOL,
+                    "net.deq.warn_on_nonconvergence": False}
+            m = _measure(family, mode, opts, None)
+            rows.append({"variant": f"DEQ, K = {k}", "phantom_steps": k, "iterations": iters, **m})
+            log(f"depth: {family.label}: DEQ K={k}, {iters} iterations: {m['act_mib']:.2f} MiB")
+    return rows
+
+
+def effective_depth(family: DepthFamily, mode: str) -> dict | None:
+    """Train the config for the family's short run on real data, then the DEQ solver's mean iterations at the
+    config's tolerance (cap :data:`EFFECTIVE_DEPTH_MAX_ITER`) on one validation batch, in eval mode."""
+    if family.train_args is None:
+        return None
+    from ..cli.train import main  # the training entry point itself (bench is above the CLI in no layer)
+    from ..lightning.run_hooks import batch_inputs
+
+    with tempfile.TemporaryDirectory(prefix="deqscore-depth-") as tmp:
+        args = ["fit", "--config", str(ROOT / family.config), "--runs_root", tmp, "--run_name", "depth",
+                *_STEPS, *VAL_ARGS, *family.train_args[mode]]
+        cli = main(args)
+        module, dm = cli.model.eval(), cli.datamodule
+        deqs = [m for m in module.modules() if isinstance(m, DEQ)]
+        for d in deqs:
+            d.max_iter, d.warm_start, d.warn_on_nonconvergence = EFFECTIVE_DEPTH_MAX_ITER, False, False
+        x = module.prepare_batch(batch_inputs(next(iter(dm.val_dataloader()))))
+        with torch.enable_grad():
+            torch.manual_seed(0)
+            family.loss(module, x)
+        steps = [d.stats.nstep for d in deqs]
+        converged = [bool(d.stats.converged) for d in deqs]
+    return {"mean_iterations": sum(steps) / len(steps), "per_layer": steps, "converged": all(converged),
+            "tol": deqs[0].tol, "stop_mode": deqs[0].stop_mode, "solver": deqs[0].solver,
+            "training": " ".join(family.train_args[mode]), "batch": len(x)}
+
+
+# ---------------------------------------------------------------- report
+
+
+def plot(family: DepthFamily, rows: list[dict], effective: dict | None, path: Path) -> None:
+    """Memory against depth (explicit) or solver iterations (DEQ), log-log, the effective depth marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    explicit = [r for r in rows if r["variant"] == "explicit"]
+    ax.plot([r["depth"] for r in explicit], [r["act_mib"] for r in explicit], "o-", color="black",
+            label="explicit, depth d (untied blocks)")
+    for variant in dict.fromkeys(r["variant"] for r in rows if r["variant"] != "explicit"):
+        pts = [r for r in rows if r["variant"] == variant]
+        ax.plot([r["iterations"] for r in pts], [r["act_mib"] for r in pts], "s--", label=f"{variant} (iterations)")
+    if effective:
+        ax.axvline(effective["mean_iterations"], color="grey", lw=1, ls=":")
+        ax.annotate(f"effective depth {effective['mean_iterations']:.1f}", (effective["mean_iterations"], 0.97),
+                    xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=8)
+    ax.set(xscale="log", yscale="log", xlabel="depth d / solver iterations",
+           ylabel="activation memory of one step (MiB)", title=family.label)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _flatness(rows: list[dict]) -> dict[str, float]:
+    """Per DEQ variant: memory at the most iterations over memory at the fewest (1.0: flat)."""
+    out = {}
+    for variant in dict.fromkeys(r["variant"] for r in rows if r["variant"] != "explicit"):
+        pts = sorted((r for r in rows if r["variant"] == variant), key=lambda r: r["iterations"])
+        out[variant] = pts[-1]["act_mib"] / pts[0]["act_mib"]
+    return out
+
+
+def depth_table(results: dict[str, dict], mode: str) -> Table:
+    table = Table("depth", "Activation memory against depth: explicit stacks of the DEQ's block vs the DEQ", [
+        Column("family", "family"), Column("variant", "variant"), Column("depth", "depth d", "d"),
+        Column("phantom_steps", "K", "d"), Column("iterations", "solver iterations", "d"),
+        Column("params", "parameters", ","), Column("act_mib", "activation memory (MiB)", ".2f"),
+    ])
+    for name, res in results.items():
+        table.rows += [{"family": FAMILIES[name].label, **r} for r in res["rows"]]
+    flat = {FAMILIES[n].label: _flatness(r["rows"]) for n, r in results.items()}
+    eff = {FAMILIES[n].label: r["effective_depth"] for n, r in results.items()}
+    table.meta.update({"flatness": flat, "effective_depth": eff,
+                       "sizes": {n: {"options": FAMILIES[n].sizes[mode], "batch": FAMILIES[n].batch[mode]}
+                                 for n in results}})
+    table.notes += [
+        "Each family's module is its DEQ config's (`build_module`) at the sizes in `meta.sizes`; 'explicit, "
+        "depth d' replaces every DEQ layer by d untied, re-initialised copies of its map applied from z = 0 with "
+        "the same injection; 'DEQ, K' is the config's DEQ with K phantom steps after a solve forced to the given "
+        "iterations. One step: the config's loss (the VAE: the score network's SSM-VR step) and its backward.",
+        "Flatness (memory at the most iterations / at the fewest, per DEQ variant): "
+        + "; ".join(f"{fam}: " + ", ".join(f"{v} {x:.3f}" for v, x in vs.items()) for fam, vs in flat.items()),
+        "Effective depth (mean solver iterations at the config's tolerance on a real validation batch after a "
+        "short training run, eval mode): " + "; ".join(
+            f"{fam}: " + (f"{e['mean_iterations']:.1f} ({e['solver']}, tol {e['tol']:g} {e['stop_mode']}, "
+                          f"converged {e['converged']}; run: {e['training']})" if e else
+                          "not measured (no real data of this shape offline)") for fam, e in eff.items()),
+    ]
+    return table
+
+
+def depth(s: Settings, device: torch.device) -> Table:
+    """The section: every family's rows and effective depth (measured, or read back from ``<out>/depth/units``),
+    one PNG per family under ``<out>/depth/``. Memory is counted in bytes saved by autograd, the same on any
+    device: the section runs on the CPU."""
+    del device
+    out = Path(s.out_dir) / "depth"
+    results = {}
+    for name, family in FAMILIES.items():
+        settings = {"mode": s.mode, "sizes": family.sizes[s.mode], "batch": family.batch[s.mode],
+                    "depths": DEPTHS[s.mode], "phantom_steps": PHANTOM_STEPS[s.mode],
+                    "iterations": ITERATIONS[s.mode], "config": (ROOT / family.config).read_text()}
+        rows = _unit(out, f"{name}__rows", settings, lambda f=family: family_rows(f, s.mode))
+        train = {"mode": s.mode, "args": family.train_args and family.train_args[s.mode],
+                 "config": settings["config"]}
+        eff = _unit(out, f"{name}__effective_depth", train, lambda f=family: effective_depth(f, s.mode))
+        results[name] = {"rows": rows, "effective_depth": eff}
+        plot(family, rows, eff, out / f"{name}.png")
+    table = depth_table(results, s.mode)
+    table.notes.append(f"Plots: {', '.join(f'depth/{n}.png' for n in results)} beside this file; measured units "
+                       "under depth/units/ (an interrupted run continues from them).")
+    return table
