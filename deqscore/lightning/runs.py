@@ -78,6 +78,16 @@ def holds_a_run(run_dir: Path) -> list[str]:
     return [m for m in RUN_MARKERS if (Path(run_dir) / m).exists()]
 
 
+def checkpoint_run_dir(ckpt_path: str | Path) -> Path | None:
+    """The run directory that holds ``ckpt_path`` (``<run>/checkpoints/<file>.ckpt``: the layout every run writes),
+    or None for a checkpoint kept elsewhere."""
+    path = Path(ckpt_path)
+    if path.parent.name != "checkpoints":
+        return None
+    run_dir = path.parent.parent
+    return run_dir if run_dir.name not in ("", ".", "..") else run_dir.absolute().resolve()
+
+
 def move_aside(run_dir: Path) -> Path:
     """Rename ``run_dir`` to the first free ``<run_dir>.<n>``; returns the new path."""
     n = 1

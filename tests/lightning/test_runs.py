@@ -184,3 +184,47 @@ def test_ctrl_c_saves_a_resumable_checkpoint_of_the_interrupted_state(tmp_path, 
                     "--ckpt_path", str(saved)])
     assert resumed.trainer.global_step == 6
     assert not (tmp_path / ".r.lock").exists()  # the lock died with the interrupted run
+
+
+# ---------------------------------------------------------------------------------------------- run identity
+
+
+def _resume(run_dir, *extra, subcommand="fit"):
+    """The README's resume command for the run in ``run_dir`` (its own config.yaml and last.ckpt)."""
+    return run([subcommand, *extra, "--config", str(run_dir / "config.yaml"), "--ckpt_path",
+                str(run_dir / "checkpoints" / "last.ckpt"), "--trainer.max_epochs", "2"])
+
+
+def test_a_run_moved_aside_resumes_where_it_lives_and_the_new_run_under_its_old_name_is_unchanged(tmp_path):
+    _fit(tmp_path, "r")
+    (tmp_path / "r").rename(tmp_path / "r.1")  # moved aside by hand, then a new run takes the name
+    _fit(tmp_path, "r", extra=["--optimizer.lr", "3e-3"])
+    new_run = _tree(tmp_path / "r")
+    assert _resume(tmp_path / "r.1") == 0
+    assert _resume(tmp_path / "r.1", subcommand="test") == 0
+    assert _tree(tmp_path / "r") == new_run  # every file of the other run, byte for byte
+    moved = tmp_path / "r.1"
+    assert torch.load(moved / "checkpoints" / "last.ckpt", weights_only=False)["epoch"] == 1
+    assert "run_name: r.1" in (moved / "config.yaml").read_text()
+    # the checkpoint callbacks carried their state over: last.ckpt replaced in place (no last-v1.ckpt beside
+    # it), the best-val/loss file of epoch 0 replaced by epoch 1's
+    names = {p.name for p in (moved / "checkpoints").iterdir()}
+    assert {"last.ckpt", "epoch=1-step=6.ckpt"} <= names and not {"last-v1.ckpt", "epoch=0-step=3.ckpt"} & names
+    assert [s for s, _ in read_metrics_csv(moved / "metrics.csv")["train/loss"]] == list(range(6))
+
+
+def test_a_copied_run_resumes_in_the_copy_and_leaves_the_original_unchanged(tmp_path, capsys):
+    _fit(tmp_path, "r")
+    shutil.copytree(tmp_path / "r", tmp_path / "c")
+    original = _tree(tmp_path / "r")
+    # --run_name before --config: the copied config.yaml's run name (r) and logger directories come after it
+    assert _resume(tmp_path / "c", "--run_name", "c") == 0
+    assert _tree(tmp_path / "r") == original
+    assert torch.load(tmp_path / "c" / "checkpoints" / "last.ckpt", weights_only=False)["epoch"] == 1
+    capsys.readouterr()
+    # a run name that is not the checkpoint's directory is refused, naming both directories; nothing written
+    before = _tree(tmp_path)
+    assert _resume(tmp_path / "c", "--run_name", "r") == 2
+    err = capsys.readouterr().err
+    assert f"belongs to the run in {tmp_path / 'c'}" in err and f"the run directory {tmp_path / 'r'}" in err, err
+    assert "Traceback" not in err and _tree(tmp_path) == before
