@@ -14,7 +14,11 @@ never leaves a ``samples.npz`` that looks complete (an existing one from an earl
 With ``--fid``, ``fid.json`` beside them: the FID of the N samples against the training set's Inception statistics
 (computed once and cached under ``--stats-root``) or against ``--fid-stats``, with N, the reference, the weights
 (averaged or ``--raw-weights``) and the sampler's final denoising step recorded; the features are taken as the
-samples are drawn. The same ``--seed`` and ``--batch-size`` give the same samples. Mistakes in the options (a
+samples are drawn, and the report records the seed, the reference statistics (file and digest) and the SHA-256 of
+the ``samples.npz`` it describes. Drawing without ``--fid`` into a folder whose ``fid.json`` described the
+samples replaced removes that ``fid.json`` (it would report an FID these samples do not have); one that still
+matches (the same seed and batch size draw the same samples) is kept. The same ``--seed`` and ``--batch-size``
+give the same samples. Mistakes in the options (a
 missing or unreadable checkpoint, an ``--out`` that cannot be written, counts below 1, an unavailable device,
 ``--fid`` without reference images or statistics) are reported in one line with exit status 2, and nothing
 written; the output location and the FID reference are checked before anything is drawn.
@@ -32,7 +36,7 @@ from ..errors import ConfigError
 from ..lightning import CheckpointFamilyError, ScoreModule, load_module
 from ..sampling.stream import GRID_SIZE, OutputError, check_output_dir, stream_samples
 from .errors import print_error, usage_error
-from .fid_job import FIDJob
+from .fid_job import REPORT_NAME, FIDJob, report_matches
 
 
 class Parser(argparse.ArgumentParser):
@@ -152,10 +156,20 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"wrote {files.shape[0]} samples {list(files.shape[1:])} of the {module.family!r} model to {files.array} "
           f"and a grid of the first {min(files.shape[0], GRID_SIZE)} to {files.grid}")
+    report_path = Path(args.out) / REPORT_NAME
     if fid is not None:
-        report = fid.finish(Path(args.out) / "fid.json")
+        try:
+            report = fid.finish(report_path, files.array, files.shape[0])
+        except ValueError as err:
+            report_path.unlink(missing_ok=True)  # the earlier report describes the samples just replaced
+            print_error(str(err))
+            return 1
         print(f"FID {report['fid']:.3f} from {report['num_samples']} samples against {report['reference']} "
-              f"(written to {Path(args.out) / 'fid.json'})")
+              f"(written to {report_path})")
+    elif report_path.exists() and not report_matches(report_path, files.array):
+        report_path.unlink()
+        print(f"removed {report_path}: it described the samples that {files.array} held before (draw with --fid "
+              "for a report of these)")
     return 0
 
 
