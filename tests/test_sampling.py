@@ -378,3 +378,34 @@ def test_no_fid_is_reported_for_samples_other_than_those_whose_features_were_tak
     out_text, err = capsys.readouterr()
     assert "no FID is reported" in err and "FID " not in out_text and "Traceback" not in err
     assert not (out / "fid.json").exists()  # the earlier report described the samples just replaced
+
+
+# ----- a batch too large for the memory ------------------------------------------------------------------------
+def test_a_batch_larger_than_the_memory_is_refused_with_a_size_that_fits(tmp_path, checkpoint, capsys, monkeypatch):
+    monkeypatch.setattr(sampling_cli, "available_memory", lambda device: 200_000)  # bytes
+    err = _usage_error(["--checkpoint", checkpoint, "--out", tmp_path / "out", "--num-samples", 10**5,
+                        "--batch-size", 10**6], capsys, tmp_path)
+    assert "--batch-size 1000000: a batch of 100000 samples needs about" in err, err
+    assert "more than the 195.3 KB available; use --batch-size" in err, err
+    suggested = int(err.split("use --batch-size ")[1].split()[0])
+    assert 1 <= suggested < 10**5
+    # the suggested size fits, and the probe before it changes no sample: the same seed draws the same as before
+    _run(["--checkpoint", checkpoint, "--out", tmp_path / "a", "--num-samples", 7, "--batch-size", 3, "--seed", 5])
+    monkeypatch.setattr(sampling_cli, "available_memory", lambda device: None)  # no probe
+    _run(["--checkpoint", checkpoint, "--out", tmp_path / "b", "--num-samples", 7, "--batch-size", 3, "--seed", 5])
+    np.testing.assert_array_equal(np.load(tmp_path / "a" / "samples.npz")["samples"],
+                                  np.load(tmp_path / "b" / "samples.npz")["samples"])
+    monkeypatch.setattr(sampling_cli, "available_memory", lambda device: 200_000)
+    _run(["--checkpoint", checkpoint, "--out", tmp_path / "c", "--num-samples", suggested, "--batch-size", suggested])
+    assert np.load(tmp_path / "c" / "samples.npz")["samples"].shape[0] == suggested
+
+
+def test_an_allocation_that_fails_while_drawing_is_one_message(tmp_path, checkpoint, capsys, monkeypatch):
+    def huge(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:118] data. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 429496729600 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(sampling_cli, "available_memory", lambda device: None)
+    monkeypatch.setattr(sampling_cli, "stream_samples", huge)
+    err = _usage_error(["--checkpoint", checkpoint, "--out", tmp_path / "out", "--batch-size", 4096], capsys, tmp_path)
+    assert "--batch-size 4096: drawing a batch ran out of memory on cpu" in err and "e.g. 16" in err, err
