@@ -32,6 +32,7 @@ from ..lightning.checkpoint import read_checkpoint
 from ..lightning.runs import (
     AtomicCheckpointIO,
     RunLock,
+    check_writable_run_dir,
     checkpoint_log_step,
     checkpoint_run_dir,
     prepare_fresh_run,
@@ -199,6 +200,7 @@ class DeqscoreCLI(LightningCLI):
         self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         if launch_rank() != 0:  # DDP workers, on this node or another: global rank zero holds the directory
             return super()._run_subcommand(subcommand)
+        check_writable_run_dir(run_dir)  # before anything is written: one message naming the path
         for part in (self.model, *self.trainer.callbacks):  # refusals that would otherwise come at setup
             if hasattr(part, "check_run"):
                 part.check_run(self.trainer, self.datamodule)

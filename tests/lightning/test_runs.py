@@ -3,6 +3,7 @@ accident, checkpoint files are complete or absent, resumed logs are true, Ctrl-C
 
 import errno
 import hashlib
+import os
 import shutil
 import signal
 
@@ -105,7 +106,7 @@ def test_overwrite_run_moves_the_old_run_aside_whole(tmp_path):
 
 
 def test_a_run_directory_in_use_is_refused(tmp_path, capsys):
-    import os
+
 
     with RunLock(tmp_path / "r"):
         assert run(["fit", *tiny_args(tmp_path, EXPLICIT, "r"), "--trainer.fast_dev_run", "1"]) == 2
@@ -228,3 +229,40 @@ def test_a_copied_run_resumes_in_the_copy_and_leaves_the_original_unchanged(tmp_
     err = capsys.readouterr().err
     assert f"belongs to the run in {tmp_path / 'c'}" in err and f"the run directory {tmp_path / 'r'}" in err, err
     assert "Traceback" not in err and _tree(tmp_path) == before
+
+
+# ---------------------------------------------------------------------------------------------- unwritable runs root
+
+
+def test_a_runs_root_that_is_a_file_is_one_message_naming_it(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    before = _tree(tmp_path)
+    assert run(["fit", *tiny_args(tmp_path, EXPLICIT, "r"), "--runs_root", str(tmp_path / "file" / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'file'} is not a directory" in err and "Traceback" not in err, err
+    assert err.count("\n") == 1 and _tree(tmp_path) == before
+
+
+def test_a_runs_root_that_cannot_be_written_is_one_message_naming_it(tmp_path, capsys, monkeypatch):
+    from deqscore.lightning import runs
+
+    def denied(*args, **kwargs):  # what creating a file in a read-only directory gives a user who is not root
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(runs.tempfile, "TemporaryFile", denied)
+    assert run(["fit", *tiny_args(tmp_path, EXPLICIT, "r"), "--runs_root", str(tmp_path / "ro" / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write in {tmp_path} (Permission denied); choose another --runs_root" in err, err
+    assert "Traceback" not in err and err.count("\n") == 1 and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes in read-only directories")
+def test_a_read_only_runs_root_is_one_message_naming_it(tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    try:
+        assert run(["fit", *tiny_args(tmp_path, EXPLICIT, "r"), "--runs_root", str(locked)]) == 2
+    finally:
+        locked.chmod(0o755)
+    err = capsys.readouterr().err
+    assert f"cannot write in {locked}" in err and "Traceback" not in err, err
