@@ -293,3 +293,119 @@ def test_a_model_without_images_is_a_usage_error(tmp_path, capsys):
 def test_missing_options_are_one_line(tmp_path, capsys):
     err = _usage_error(["--num-samples", "3"], capsys, tmp_path)
     assert "the following arguments are required: --checkpoint, --out" in err
+
+
+# ----- fid.json: what it describes ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reference_stats(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from deqscore.metrics.reference import save_stats
+    from deqscore.metrics.statistics import GaussianStats
+
+    path = tmp_path_factory.mktemp("stats") / "ref.npz"
+    rng = np.random.default_rng(0)
+    save_stats(path, GaussianStats(mu=rng.normal(size=2048), sigma=np.eye(2048), count=10))
+    return path
+
+
+@pytest.fixture
+def quick_fid(monkeypatch):
+    """sample.py --fid with stand-ins for the Inception network and the distance (both tested in tests/metrics):
+    these tests are about what fid.json describes."""
+    from deqscore.cli import fid_job
+
+    class Features(torch.nn.Module):
+        def forward(self, images):
+            return images.flatten(1).mean(1, keepdim=True).expand(-1, 2048) + torch.arange(2048.0)
+
+    monkeypatch.setattr(fid_job, "InceptionFeatures", lambda weights=None: Features())
+    monkeypatch.setattr(fid_job, "sample_quality", lambda stats, reference, seed=0: {
+        "fid": float(stats.mu.sum()), "num_samples": stats.count, "label": f"FID@{stats.count}"})
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _draw(out: Path, checkpoint: Path, seed: int, *extra) -> None:
+    _run(["--checkpoint", checkpoint, "--num-samples", 4, "--out", out, "--batch-size", 2, "--seed", seed, *extra])
+
+
+def test_fid_json_records_the_samples_it_describes_and_a_stale_one_is_removed(tmp_path, checkpoint, reference_stats,
+                                                                            quick_fid, capsys):
+    import json
+
+    out = tmp_path / "s"
+    _draw(out, checkpoint, 3, "--fid", "--fid-stats", reference_stats)
+    report = json.loads((out / "fid.json").read_text())
+    assert report["num_samples"] == 4 and report["seed"] == 3
+    assert report["samples"] == "samples.npz" and report["samples_sha256"] == _sha256(out / "samples.npz")
+    assert report["reference_stats"]["file"] == str(reference_stats) and report["reference_stats"]["count"] == 10
+    assert len(report["reference_stats"]["moments_sha256"]) == 64
+    kept = (out / "fid.json").read_bytes()
+    # the same seed and batch size draw the same samples: the report still describes them and is kept
+    _draw(out, checkpoint, 3)
+    assert (out / "fid.json").read_bytes() == kept
+    # other samples without --fid: the report of the replaced ones is removed, and the user is told
+    capsys.readouterr()
+    _draw(out, checkpoint, 4)
+    assert not (out / "fid.json").exists() and "removed" in capsys.readouterr().out
+
+
+def test_no_fid_is_reported_for_samples_other_than_those_whose_features_were_taken(tmp_path, checkpoint,
+                                                                                   reference_stats, quick_fid,
+                                                                                   monkeypatch, capsys):
+    from deqscore.cli import fid_job
+
+    out = tmp_path / "s"
+    _draw(out, checkpoint, 3, "--fid", "--fid-stats", reference_stats)
+    original = fid_job.FIDJob.observing
+
+    def skipping_a_batch(self, draw):  # features of the first batch only: they describe other samples than the file
+        observed, calls = original(self, draw), []
+
+        def once(k):
+            calls.append(k)
+            return observed(k) if len(calls) == 1 else draw(k)
+
+        return once
+
+    monkeypatch.setattr(fid_job.FIDJob, "observing", skipping_a_batch)
+    capsys.readouterr()
+    assert sampling_cli.main(["--checkpoint", str(checkpoint), "--num-samples", "4", "--out", str(out),
+                              "--batch-size", "2", "--seed", "5", "--fid", "--fid-stats", str(reference_stats)]) == 1
+    out_text, err = capsys.readouterr()
+    assert "no FID is reported" in err and "FID " not in out_text and "Traceback" not in err
+    assert not (out / "fid.json").exists()  # the earlier report described the samples just replaced
+
+
+# ----- a batch too large for the memory ------------------------------------------------------------------------
+def test_a_batch_larger_than_the_memory_is_refused_with_a_size_that_fits(tmp_path, checkpoint, capsys, monkeypatch):
+    monkeypatch.setattr(sampling_cli, "available_memory", lambda device: 200_000)  # bytes
+    err = _usage_error(["--checkpoint", checkpoint, "--out", tmp_path / "out", "--num-samples", 10**5,
+                        "--batch-size", 10**6], capsys, tmp_path)
+    assert "--batch-size 1000000: a batch of 100000 samples needs about" in err, err
+    assert "more than the 195.3 KB available; use --batch-size" in err, err
+    suggested = int(err.split("use --batch-size ")[1].split()[0])
+    assert 1 <= suggested < 10**5
+    # the suggested size fits, and the probe before it changes no sample: the same seed draws the same as before
+    _run(["--checkpoint", checkpoint, "--out", tmp_path / "a", "--num-samples", 7, "--batch-size", 3, "--seed", 5])
+    monkeypatch.setattr(sampling_cli, "available_memory", lambda device: None)  # no probe
+    _run(["--checkpoint", checkpoint, "--out", tmp_path / "b", "--num-samples", 7, "--batch-size", 3, "--seed", 5])
+    np.testing.assert_array_equal(np.load(tmp_path / "a" / "samples.npz")["samples"],
+                                  np.load(tmp_path / "b" / "samples.npz")["samples"])
+    monkeypatch.setattr(sampling_cli, "available_memory", lambda device: 200_000)
+    _run(["--checkpoint", checkpoint, "--out", tmp_path / "c", "--num-samples", suggested, "--batch-size", suggested])
+    assert np.load(tmp_path / "c" / "samples.npz")["samples"].shape[0] == suggested
+
+
+def test_an_allocation_that_fails_while_drawing_is_one_message(tmp_path, checkpoint, capsys, monkeypatch):
+    def huge(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:118] data. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 429496729600 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(sampling_cli, "available_memory", lambda device: None)
+    monkeypatch.setattr(sampling_cli, "stream_samples", huge)
+    err = _usage_error(["--checkpoint", checkpoint, "--out", tmp_path / "out", "--batch-size", 4096], capsys, tmp_path)
+    assert "--batch-size 4096: drawing a batch ran out of memory on cpu" in err and "e.g. 16" in err, err

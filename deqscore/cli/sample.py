@@ -14,7 +14,11 @@ never leaves a ``samples.npz`` that looks complete (an existing one from an earl
 With ``--fid``, ``fid.json`` beside them: the FID of the N samples against the training set's Inception statistics
 (computed once and cached under ``--stats-root``) or against ``--fid-stats``, with N, the reference, the weights
 (averaged or ``--raw-weights``) and the sampler's final denoising step recorded; the features are taken as the
-samples are drawn. The same ``--seed`` and ``--batch-size`` give the same samples. Mistakes in the options (a
+samples are drawn, and the report records the seed, the reference statistics (file and digest) and the SHA-256 of
+the ``samples.npz`` it describes. Drawing without ``--fid`` into a folder whose ``fid.json`` described the
+samples replaced removes that ``fid.json`` (it would report an FID these samples do not have); one that still
+matches (the same seed and batch size draw the same samples) is kept. The same ``--seed`` and ``--batch-size``
+give the same samples. Mistakes in the options (a
 missing or unreadable checkpoint, an ``--out`` that cannot be written, counts below 1, an unavailable device,
 ``--fid`` without reference images or statistics) are reported in one line with exit status 2, and nothing
 written; the output location and the FID reference are checked before anything is drawn.
@@ -24,15 +28,16 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
 from ..errors import ConfigError
 from ..lightning import CheckpointFamilyError, ScoreModule, load_module
+from ..metrics.memory import peak_tensor_bytes
 from ..sampling.stream import GRID_SIZE, OutputError, check_output_dir, stream_samples
 from .errors import print_error, usage_error
-from .fid_job import FIDJob
+from .fid_job import REPORT_NAME, FIDJob, report_matches
 
 
 class Parser(argparse.ArgumentParser):
@@ -96,6 +101,63 @@ def check_device(name: str) -> torch.device:
     return device
 
 
+#: samples drawn, and operations run, to estimate the memory of a batch before drawing one
+PROBE_SAMPLES, PROBE_OPS = 2, 5000
+#: the share of the available memory a batch may be estimated to take
+MEMORY_SHARE = 0.8
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes that may still be allocated on ``device``: free GPU memory, or the system's ``MemAvailable``; None
+    where it cannot be told."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def check_batch_memory(draw: Any, batch_size: int, num_samples: int, device: torch.device) -> None:
+    """A usage error, with a batch size that fits, when a batch is estimated to need more memory than ``device``
+    has available. The estimate scales the peak tensor memory of a probe draw of :data:`PROBE_SAMPLES` samples
+    (stopped after :data:`PROBE_OPS` operations); the probe's random draws are forked off, so the samples drawn
+    afterwards are those of a run without it."""
+    batch = min(batch_size, num_samples)
+    available = available_memory(device)
+    if batch <= PROBE_SAMPLES or available is None:
+        return
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+        peak = peak_tensor_bytes(lambda: draw(PROBE_SAMPLES), max_ops=PROBE_OPS)
+    per_sample = max(peak / PROBE_SAMPLES, 1.0)
+    need = per_sample * batch
+    if need <= MEMORY_SHARE * available:
+        return
+    fits = int(MEMORY_SHARE * available / per_sample)
+    advice = (f"use --batch-size {fits} or less" if fits >= 1 else
+              "not even one sample fits: free memory or use another --device")
+    usage_error(f"--batch-size {batch_size}: a batch of {batch} samples needs about {_size(need)} on {device} "
+                f"(estimated from {PROBE_SAMPLES} samples), more than the {_size(available)} available; {advice}")
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is an allocation that failed for want of memory."""
+    text = str(err)
+    return isinstance(err, MemoryError | torch.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text))
+
+
 def _core(err: BaseException) -> str:
     """The gist of a torch.load error in a few words (its weights-only reports run to a dozen lines)."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
@@ -141,21 +203,42 @@ def main(argv: list[str] | None = None) -> int:
             usage_error(f"--final-denoise: the {module.family!r} model has no Langevin sampler")
         module.sampler.final_denoise = args.final_denoise == "on"
     fid = FIDJob.prepare(args, module, device) if args.fid else None  # reference first: a failure draws nothing
+    try:
+        check_batch_memory(module.sample_images, args.batch_size, args.num_samples, device)
+    except ConfigError as err:  # e.g. a model not trained on images
+        usage_error(f"--checkpoint: {one_line(err)}")
     torch.manual_seed(args.seed)
     draw = module.sample_images if fid is None else fid.observing(module.sample_images)
     try:
         files = stream_samples(draw, args.num_samples, args.out, batch_size=args.batch_size)
     except ConfigError as err:  # e.g. a model not trained on images: raised by the first draw, nothing written
         usage_error(f"--checkpoint: {one_line(err)}")
+    except (MemoryError, RuntimeError) as err:
+        if not _out_of_memory(err):
+            raise
+        smaller = max(1, min(args.batch_size, args.num_samples) // 4)
+        usage_error(f"--batch-size {args.batch_size}: drawing a batch ran out of memory on {device} "
+                    f"({one_line(err).split('. ')[0]}); nothing was written, use a smaller --batch-size, e.g. "
+                    f"{smaller}")
     except OSError as err:  # the disk filled up or the directory went away while writing
         print_error(f"writing samples to {args.out} failed (partial files removed): {err}")
         return 1
     print(f"wrote {files.shape[0]} samples {list(files.shape[1:])} of the {module.family!r} model to {files.array} "
           f"and a grid of the first {min(files.shape[0], GRID_SIZE)} to {files.grid}")
+    report_path = Path(args.out) / REPORT_NAME
     if fid is not None:
-        report = fid.finish(Path(args.out) / "fid.json")
+        try:
+            report = fid.finish(report_path, files.array, files.shape[0])
+        except ValueError as err:
+            report_path.unlink(missing_ok=True)  # the earlier report describes the samples just replaced
+            print_error(str(err))
+            return 1
         print(f"FID {report['fid']:.3f} from {report['num_samples']} samples against {report['reference']} "
-              f"(written to {Path(args.out) / 'fid.json'})")
+              f"(written to {report_path})")
+    elif report_path.exists() and not report_matches(report_path, files.array):
+        report_path.unlink()
+        print(f"removed {report_path}: it described the samples that {files.array} held before (draw with --fid "
+              "for a report of these)")
     return 0
 
 

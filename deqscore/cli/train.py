@@ -29,7 +29,15 @@ from ..lightning import family_registry
 from ..lightning.base import CODEC_KEY, FAMILY_KEY, CheckpointFamilyError, ScoreModule
 from ..lightning.callbacks import ConfiguredOptimizerOptions, SaveOnInterrupt
 from ..lightning.checkpoint import read_checkpoint
-from ..lightning.runs import AtomicCheckpointIO, RunLock, checkpoint_log_step, prepare_fresh_run, truncate_log_after
+from ..lightning.runs import (
+    AtomicCheckpointIO,
+    RunLock,
+    check_writable_run_dir,
+    checkpoint_log_step,
+    checkpoint_run_dir,
+    prepare_fresh_run,
+    truncate_log_after,
+)
 from .errors import UsageError, print_error, usage_error
 
 OPTIMIZER_HINT = "any torch.optim optimizer by class name or class_path, e.g. Adam, AdamW, SGD, RMSprop"
@@ -153,7 +161,8 @@ class DeqscoreCLI(LightningCLI):
     """LightningCLI with a run name/directory and gradients enabled in evaluation."""
 
     def __init__(self, *args, **kwargs):
-        check_config_files(kwargs.get("args") if kwargs.get("args") is not None else sys.argv[1:])
+        self._argv = list(kwargs.get("args") if kwargs.get("args") is not None else sys.argv[1:])
+        check_config_files(self._argv)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})  # re-running in a run dir must not abort
         trainer_defaults = {"inference_mode": False}  # score matching takes input gradients in val/test
         trainer_defaults.update(kwargs.pop("trainer_defaults", {}) or {})
@@ -183,6 +192,7 @@ class DeqscoreCLI(LightningCLI):
         if conflicts:
             usage_error(f"ckpt_path: {cfg.ckpt_path} holds another model than the config describes (give the "
                         "run's own config.yaml, or change these options back):\n  " + "\n  ".join(conflicts))
+        _place_in_checkpoint_run(cfg, self._argv)
 
     def _run_subcommand(self, subcommand: str) -> None:
         cfg = self.config[subcommand]
@@ -190,6 +200,7 @@ class DeqscoreCLI(LightningCLI):
         self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         if launch_rank() != 0:  # DDP workers, on this node or another: global rank zero holds the directory
             return super()._run_subcommand(subcommand)
+        check_writable_run_dir(run_dir)  # before anything is written: one message naming the path
         for part in (self.model, *self.trainer.callbacks):  # refusals that would otherwise come at setup
             if hasattr(part, "check_run"):
                 part.check_run(self.trainer, self.datamodule)
@@ -240,6 +251,41 @@ class DeqscoreCLI(LightningCLI):
         lr = ((cfg.get("optimizer") or {}).get("init_args") or {}).get("lr")
         if lr is not None and not (isinstance(lr, int | float) and math.isfinite(lr) and lr > 0):
             usage_error(f"optimizer.init_args.lr must be a positive finite number, got {lr!r}")
+
+
+def _typed(argv: list[str], option: str) -> str | None:
+    """The last value given to ``--option`` on the command line itself (not in a config file), or None."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == f"--{option}" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif isinstance(arg, str) and arg.startswith(f"--{option}="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def _place_in_checkpoint_run(cfg: Namespace, argv: list[str]) -> None:
+    """A command given a checkpoint of a run directory (``<run>/checkpoints/*.ckpt``) works in that directory, where
+    it lies now, whatever run name and runs root its ``config.yaml`` records (the run may have been moved or copied
+    since, and another run may live under the recorded name). A ``--run_name`` or ``--runs_root`` typed on the
+    command line that names another directory is refused, naming both: a resume never writes into another run."""
+    run_dir = checkpoint_run_dir(cfg.ckpt_path)
+    if run_dir is None:  # a checkpoint kept outside any run: it starts or continues the configured run
+        return
+    configured = Path(cfg.runs_root) / cfg.run_name
+    name, root = _typed(argv, "run_name"), _typed(argv, "runs_root")
+    if (name is not None and name != run_dir.name) or (
+            root is not None and Path(root).resolve() != run_dir.parent.resolve()):
+        typed = Path(root if root is not None else cfg.runs_root) / (name if name is not None else cfg.run_name)
+        usage_error(f"ckpt_path: {cfg.ckpt_path} belongs to the run in {run_dir}, but --run_name/--runs_root name "
+                    f"the run directory {typed}; a checkpoint of a run resumes only in the directory that holds "
+                    f"it: leave out --run_name and --runs_root, or give --runs_root {run_dir.parent} --run_name "
+                    f"{run_dir.name}")
+    if configured.resolve() == run_dir.resolve():
+        return
+    rank_zero_info(f"working in {run_dir}, the run directory that holds {cfg.ckpt_path} (its config names "
+                   f"{configured})")
+    cfg.runs_root, cfg.run_name = str(run_dir.parent), run_dir.name
 
 
 def _data_dim(datamodule: Any) -> int:

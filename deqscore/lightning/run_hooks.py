@@ -3,7 +3,8 @@ family implements its model and nothing of this machinery:
 
 * :class:`StepSeeding`: the random draws of a step (projections, noise, binarisation) depend on the step alone,
   so a resumed run repeats an uninterrupted one exactly;
-* :class:`ResumeFixes`: a resumed run continues as if it had not stopped (finished epochs, per-epoch data noise);
+* :class:`ResumeFixes`: a resumed run continues as if it had not stopped (finished epochs, per-epoch data noise,
+  checkpoint callbacks of a run directory that was moved or copied since);
 * :class:`RunFacts`: once per run, the parameter count and the activation memory of one training step;
 * :class:`ClosingStage`: a family's closing stage after fit (``ScoreModule.closing_stage``), saved as
   ``checkpoints/final.ckpt``.
@@ -77,6 +78,34 @@ def complete_finished_epoch(checkpoint: dict[str, Any]) -> bool:
     return True
 
 
+def relocate_checkpoint_states(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
+    """A run resumed from a checkpoint of its own ``checkpoints/`` folder after the run directory was moved or
+    copied: the paths its checkpoint callbacks recorded (their folder, the best, k-th best and last files) are
+    carried over to where the run lives now. Lightning would otherwise drop their state for a changed folder:
+    ``last.ckpt`` would be written beside itself as ``last-v1.ckpt``, the best scores be forgotten, and the
+    closing stage read the best weights from the run's old place (another run, once the name is reused)."""
+    if not trainer.ckpt_path:
+        return
+    here = Path(trainer.ckpt_path).resolve().parent
+    states = checkpoint.get("callbacks") or {}
+    for callback in trainer.checkpoint_callbacks:
+        state, new = states.get(getattr(callback, "state_key", None)), getattr(callback, "dirpath", None)
+        old = state.get("dirpath") if isinstance(state, dict) else None
+        if not old or not new or old == new or Path(new).resolve() != here:
+            continue
+
+        def moved(path: Any, old: str = old, new: str = new) -> Any:
+            return str(Path(new) / Path(path).name) if isinstance(path, str) and path and Path(path).parent == Path(
+                old) else path
+
+        state["dirpath"] = new
+        for key in ("best_model_path", "kth_best_model_path", "last_model_path"):
+            if key in state:
+                state[key] = moved(state[key])
+        if isinstance(state.get("best_k_models"), dict):
+            state["best_k_models"] = {moved(path): score for path, score in state["best_k_models"].items()}
+
+
 class ResumeFixes(pl.Callback):
     """A resumed run continues as an uninterrupted one: an epoch that finished before the checkpoint is not
     replayed (:func:`complete_finished_epoch`), data modules with epoch-dependent randomness (dequantisation
@@ -90,6 +119,7 @@ class ResumeFixes(pl.Callback):
 
     def on_load_checkpoint(self, trainer: pl.Trainer, module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         self._resumed_after_epoch = complete_finished_epoch(checkpoint)
+        relocate_checkpoint_states(trainer, checkpoint)
         if "optimizer_states" in checkpoint:
             self._saved_optimizers = len(checkpoint["optimizer_states"])
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import fcntl
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -73,9 +74,38 @@ class RunLock:
         self.release()
 
 
+def check_writable_run_dir(run_dir: Path) -> None:
+    """Raise :class:`ConfigError` naming the path unless ``run_dir`` and its runs root (which holds the lock beside
+    it) are, or can be created as, directories this process can write in. Creates nothing (a probe file in an
+    existing directory is removed at once)."""
+    run_dir = Path(run_dir)
+    for path in dict.fromkeys((run_dir.parent, run_dir)):
+        existing = path.absolute()
+        while not os.path.lexists(existing) and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            raise ConfigError(f"cannot create the run directory {run_dir}: {existing} is not a directory")
+        try:  # root passes every permission check, so try it
+            with tempfile.TemporaryFile(dir=existing):
+                pass
+        except OSError as err:
+            raise ConfigError(f"cannot write the run directory {run_dir}: cannot write in {existing} "
+                              f"({err.strerror or err}); choose another --runs_root or --run_name") from None
+
+
 def holds_a_run(run_dir: Path) -> list[str]:
     """The run markers present in ``run_dir`` (empty: a fresh directory)."""
     return [m for m in RUN_MARKERS if (Path(run_dir) / m).exists()]
+
+
+def checkpoint_run_dir(ckpt_path: str | Path) -> Path | None:
+    """The run directory that holds ``ckpt_path`` (``<run>/checkpoints/<file>.ckpt``: the layout every run writes),
+    or None for a checkpoint kept elsewhere."""
+    path = Path(ckpt_path)
+    if path.parent.name != "checkpoints":
+        return None
+    run_dir = path.parent.parent
+    return run_dir if run_dir.name not in ("", ".", "..") else run_dir.absolute().resolve()
 
 
 def move_aside(run_dir: Path) -> Path:

@@ -87,3 +87,54 @@ def step_activation_bytes(step: Callable[[], Any], module: torch.nn.Module) -> i
 def parameter_count(module: torch.nn.Module, trainable_only: bool = True) -> int:
     """Number of (trainable) parameters."""
     return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
+
+
+class _ProbeBudgetSpent(Exception):
+    """Raised inside a probe once it has run its operations (the peak of a repeated step is seen by then)."""
+
+
+def peak_tensor_bytes(fn: Callable[[], Any], max_ops: int | None = None) -> int:
+    """The peak of the bytes held by tensors that ``fn()`` creates and keeps alive at once (each storage counted
+    once, released when the tensor that created it is freed), on any device; parameters and tensors made before
+    the call are not counted. With ``max_ops``, ``fn`` is stopped after that many operations and the peak so far
+    returned: a sampler repeats one step, whose peak the first few show. An estimate (a storage freed while a
+    view of it lives is counted as freed), not the allocator's figure.
+
+    >>> peak_tensor_bytes(lambda: torch.ones(1000).sum())  # float32 1000 (4000 bytes), then the 4-byte sum
+    4004
+    """
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    live: dict[tuple, int] = {}
+    state = {"bytes": 0, "peak": 0, "ops": 0}
+
+    def free(key: tuple) -> None:
+        state["bytes"] -= live.pop(key, 0)
+
+    class Meter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and (key := _storage_key(t)) not in live:
+                    try:
+                        size = t.untyped_storage().nbytes()
+                    except (RuntimeError, NotImplementedError):
+                        size = t.numel() * t.element_size()
+                    live[key] = size
+                    state["bytes"] += size
+                    state["peak"] = max(state["peak"], state["bytes"])
+                    weakref.finalize(t, free, key)
+            state["ops"] += 1
+            if max_ops is not None and state["ops"] >= max_ops:
+                raise _ProbeBudgetSpent
+            return out
+
+    try:
+        with Meter():
+            fn()
+    except _ProbeBudgetSpent:
+        pass
+    return state["peak"]

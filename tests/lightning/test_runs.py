@@ -3,6 +3,7 @@ accident, checkpoint files are complete or absent, resumed logs are true, Ctrl-C
 
 import errno
 import hashlib
+import os
 import shutil
 import signal
 
@@ -105,7 +106,7 @@ def test_overwrite_run_moves_the_old_run_aside_whole(tmp_path):
 
 
 def test_a_run_directory_in_use_is_refused(tmp_path, capsys):
-    import os
+
 
     with RunLock(tmp_path / "r"):
         assert run(["fit", *tiny_args(tmp_path, EXPLICIT, "r"), "--trainer.fast_dev_run", "1"]) == 2
@@ -184,3 +185,84 @@ def test_ctrl_c_saves_a_resumable_checkpoint_of_the_interrupted_state(tmp_path, 
                     "--ckpt_path", str(saved)])
     assert resumed.trainer.global_step == 6
     assert not (tmp_path / ".r.lock").exists()  # the lock died with the interrupted run
+
+
+# ---------------------------------------------------------------------------------------------- run identity
+
+
+def _resume(run_dir, *extra, subcommand="fit"):
+    """The README's resume command for the run in ``run_dir`` (its own config.yaml and last.ckpt)."""
+    return run([subcommand, *extra, "--config", str(run_dir / "config.yaml"), "--ckpt_path",
+                str(run_dir / "checkpoints" / "last.ckpt"), "--trainer.max_epochs", "2"])
+
+
+def test_a_run_moved_aside_resumes_where_it_lives_and_the_new_run_under_its_old_name_is_unchanged(tmp_path):
+    _fit(tmp_path, "r")
+    (tmp_path / "r").rename(tmp_path / "r.1")  # moved aside by hand, then a new run takes the name
+    _fit(tmp_path, "r", extra=["--optimizer.lr", "3e-3"])
+    new_run = _tree(tmp_path / "r")
+    assert _resume(tmp_path / "r.1") == 0
+    assert _resume(tmp_path / "r.1", subcommand="test") == 0
+    assert _tree(tmp_path / "r") == new_run  # every file of the other run, byte for byte
+    moved = tmp_path / "r.1"
+    assert torch.load(moved / "checkpoints" / "last.ckpt", weights_only=False)["epoch"] == 1
+    assert "run_name: r.1" in (moved / "config.yaml").read_text()
+    # the checkpoint callbacks carried their state over: last.ckpt replaced in place (no last-v1.ckpt beside
+    # it), the best-val/loss file of epoch 0 replaced by epoch 1's
+    names = {p.name for p in (moved / "checkpoints").iterdir()}
+    assert {"last.ckpt", "epoch=1-step=6.ckpt"} <= names and not {"last-v1.ckpt", "epoch=0-step=3.ckpt"} & names
+    assert [s for s, _ in read_metrics_csv(moved / "metrics.csv")["train/loss"]] == list(range(6))
+
+
+def test_a_copied_run_resumes_in_the_copy_and_leaves_the_original_unchanged(tmp_path, capsys):
+    _fit(tmp_path, "r")
+    shutil.copytree(tmp_path / "r", tmp_path / "c")
+    original = _tree(tmp_path / "r")
+    # --run_name before --config: the copied config.yaml's run name (r) and logger directories come after it
+    assert _resume(tmp_path / "c", "--run_name", "c") == 0
+    assert _tree(tmp_path / "r") == original
+    assert torch.load(tmp_path / "c" / "checkpoints" / "last.ckpt", weights_only=False)["epoch"] == 1
+    capsys.readouterr()
+    # a run name that is not the checkpoint's directory is refused, naming both directories; nothing written
+    before = _tree(tmp_path)
+    assert _resume(tmp_path / "c", "--run_name", "r") == 2
+    err = capsys.readouterr().err
+    assert f"belongs to the run in {tmp_path / 'c'}" in err and f"the run directory {tmp_path / 'r'}" in err, err
+    assert "Traceback" not in err and _tree(tmp_path) == before
+
+
+# ---------------------------------------------------------------------------------------------- unwritable runs root
+
+
+def test_a_runs_root_that_is_a_file_is_one_message_naming_it(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    before = _tree(tmp_path)
+    assert run(["fit", *tiny_args(tmp_path, EXPLICIT, "r"), "--runs_root", str(tmp_path / "file" / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'file'} is not a directory" in err and "Traceback" not in err, err
+    assert err.count("\n") == 1 and _tree(tmp_path) == before
+
+
+def test_a_runs_root_that_cannot_be_written_is_one_message_naming_it(tmp_path, capsys, monkeypatch):
+    from deqscore.lightning import runs
+
+    def denied(*args, **kwargs):  # what creating a file in a read-only directory gives a user who is not root
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(runs.tempfile, "TemporaryFile", denied)
+    assert run(["fit", *tiny_args(tmp_path, EXPLICIT, "r"), "--runs_root", str(tmp_path / "ro" / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write in {tmp_path} (Permission denied); choose another --runs_root" in err, err
+    assert "Traceback" not in err and err.count("\n") == 1 and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes in read-only directories")
+def test_a_read_only_runs_root_is_one_message_naming_it(tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    try:
+        assert run(["fit", *tiny_args(tmp_path, EXPLICIT, "r"), "--runs_root", str(locked)]) == 2
+    finally:
+        locked.chmod(0o755)
+    err = capsys.readouterr().err
+    assert f"cannot write in {locked}" in err and "Traceback" not in err, err
