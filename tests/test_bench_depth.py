@@ -18,7 +18,8 @@ def test_untied_stack_applies_independent_copies_of_the_map_in_turn():
     func = NICEDEQMap(6)
     stack = bench_depth.UntiedStack(func, depth=3)
     assert parameter_count(stack) == 3 * parameter_count(func)
-    assert all(not torch.equal(a.lin1.weight, b.lin1.weight) for a, b in zip(stack.blocks, stack.blocks[1:], strict=False))
+    pairs = zip(stack.blocks, stack.blocks[1:], strict=False)
+    assert all(not torch.equal(a.lin1.weight, b.lin1.weight) for a, b in pairs)
     u = torch.randn(4, 6)
     z = torch.zeros_like(u)
     for block in stack.blocks:
