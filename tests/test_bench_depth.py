@@ -65,8 +65,8 @@ def test_effective_depth_is_measured_after_training_and_units_are_read_back(dept
     for family in families.values():
         eff = table.meta["effective_depth"][family.label]
         assert eff["converged"] and 1 <= eff["mean_iterations"] < bench_depth.EFFECTIVE_DEPTH_MAX_ITER
-    assert all((out / "depth" / f"{name}.png").stat().st_size > 1000 for name in families)
-    saved = json.loads((out / "depth" / "units" / "nice__rows.json").read_text())
+    assert all((out / f"depth_{name}.png").stat().st_size > 1000 for name in families)
+    saved = json.loads((out / "depth_units" / "nice__rows.json").read_text())
     assert saved["value"] == [{k: v for k, v in r.items() if k != "family"} for r in table.rows
                               if r["family"] == families["nice"].label]
 

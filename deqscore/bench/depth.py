@@ -11,15 +11,15 @@ training step (the config's loss, forward and backward, :func:`deqscore.bench.me
 
 The DEQ's *effective depth* is the solver's mean iteration count at the config's tolerance on a batch of real
 data after a short training run of the config (``TRAIN_STEPS``), marked on the plots. One PNG per family
-(memory against depth or iterations, one line per variant) is written beside ``depth.md``.
+(memory against depth or iterations, one line per variant) is written beside the report, ``depth_<family>.png``.
 
-Every measured unit (a family's rows, a family's effective depth) is written to ``<out>/units/`` when done and
+Every measured unit (a family's rows, a family's effective depth) is written to ``<out>/depth_units/`` when done and
 read back instead of measured again, so an interrupted run continues where it stopped (delete the unit's file, or
 the folder, to measure again; a unit recorded with other settings is measured again).
 
 Run::
 
-    python -m deqscore.bench --sections depth [--quick] [--out DIR]   # units and plots under DIR/depth/
+    python -m deqscore.bench --sections depth --out benchmarks/results/depth [--quick]
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ FAMILIES: dict[str, DepthFamily] = {
         {"full": 128, "quick": 8}, _pixels, _vae_score_loss,
         {"full": ["--trainer.max_steps", "900", *_MNIST],
          "quick": ["--trainer.max_steps", "3", "--model.init_args.net.init_args.hidden", "16",
-                   "--model.init_args.val_ais_batches", "0", *_TINY_MNIST]},
+                   "--model.init_args.val_ais_steps", "5", *_TINY_MNIST]},
     ),
     "vae_conv": DepthFamily(
         "VAE score net (conv, 32x32)", "configs/vae/deq_cifar10.yaml",
@@ -177,7 +177,7 @@ FAMILIES: dict[str, DepthFamily] = {
         "NCSN body (MNIST)", "configs/ncsn/deq_mnist.yaml",
         {"full": {"net.dim": 784}, "quick": {"net.dim": 64, "net.ngf": 4, "n_levels": 3}},
         {"full": 8, "quick": 4}, _pixels, _module_loss,
-        {"full": ["--trainer.max_steps", "300", *_MNIST],
+        {"full": ["--trainer.max_steps", "150", "--data.init_args.batch_size", "32", *_MNIST],
          "quick": ["--trainer.max_steps", "2", "--model.init_args.net.init_args.ngf", "4",
                    "--model.init_args.n_levels", "3", *_TINY_MNIST]},
         # the config trains DSM with IFT; the curves compare phantom steps, the stacks backpropagate directly
@@ -192,7 +192,7 @@ VAL_ARGS = ["--trainer.limit_val_batches", "2"]
 
 def _unit(out: Path, name: str, settings: dict, measure: Callable[[], Any]) -> Any:
     """``measure()``, or what an earlier run recorded for ``name`` with the same ``settings``."""
-    path = out / "units" / f"{name}.json"
+    path = out / "depth_units" / f"{name}.json"
     settings = json.loads(json.dumps(settings))  # as it reads back (tuples become lists)
     if path.exists():
         saved = json.loads(path.read_text())
@@ -334,11 +334,11 @@ def depth_table(results: dict[str, dict], mode: str) -> Table:
 
 
 def depth(s: Settings, device: torch.device) -> Table:
-    """The section: every family's rows and effective depth (measured, or read back from ``<out>/depth/units``),
-    one PNG per family under ``<out>/depth/``. Memory is counted in bytes saved by autograd, the same on any
+    """The section: every family's rows and effective depth (measured, or read back from ``<out>/depth_units``),
+    one PNG per family beside the report. Memory is counted in bytes saved by autograd, the same on any
     device: the section runs on the CPU."""
     del device
-    out = Path(s.out_dir) / "depth"
+    out = Path(s.out_dir)
     results = {}
     for name, family in FAMILIES.items():
         settings = {"mode": s.mode, "sizes": family.sizes[s.mode], "batch": family.batch[s.mode],
@@ -349,8 +349,9 @@ def depth(s: Settings, device: torch.device) -> Table:
                  "config": settings["config"]}
         eff = _unit(out, f"{name}__effective_depth", train, lambda f=family: effective_depth(f, s.mode))
         results[name] = {"rows": rows, "effective_depth": eff}
-        plot(family, rows, eff, out / f"{name}.png")
+        out.mkdir(parents=True, exist_ok=True)
+        plot(family, rows, eff, out / f"depth_{name}.png")
     table = depth_table(results, s.mode)
-    table.notes.append(f"Plots: {', '.join(f'depth/{n}.png' for n in results)} beside this file; measured units "
-                       "under depth/units/ (an interrupted run continues from them).")
+    table.notes.append(f"Plots: {', '.join(f'depth_{n}.png' for n in results)} beside this file; measured units "
+                       "under depth_units/ (an interrupted run continues from them).")
     return table

@@ -285,7 +285,8 @@ class ScoreModule(pl.LightningModule):
             self.manual_backward(loss)
             optimizers[index].step()
             losses[name].append(loss.detach())
-        self.log_stage("train", {name: torch.stack(v).mean() for name, v in losses.items()}, batch_size=x.shape[0])
+        terms = {name: torch.stack(v).mean() for name, v in losses.items()}
+        self.log_stage("train", {**terms, **self._deq_stats()}, batch_size=x.shape[0])  # stats: the last solve
         return losses["loss"][-1]
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
