@@ -44,6 +44,9 @@ DKEF_LOSSES = ("exact", "ssm", "ssm_vr", "dsm")
 FINAL_STAGE_SEED = 0  # random draws of the final alpha system (projections or noise)
 
 
+ALPHA_CHUNK = 256  # rows per chunk of a graph-free alpha system
+
+
 def alpha_objective(loss: ScoreLoss) -> dict[str, Any]:
     """The closed-form alpha system that matches ``loss`` (docs/method.md 3.7)."""
     if isinstance(loss, SSMVR):  # before SSM: a subclass
@@ -98,8 +101,16 @@ class DKEFModule(ScoreModule):
 
     def alpha_system(self, x: torch.Tensor, create_graph: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """``(G, b)`` of the loss on ``x``. The model's DSM system is that of the sigma^4-weighted loss; it is
-        rescaled to the weighting the loss uses, so alpha minimises the very loss that is trained."""
-        g, b = self.net.alpha_system(x, create_graph=create_graph, **self.alpha_kwargs)
+        rescaled to the weighting the loss uses, so alpha minimises the very loss that is trained. Without a graph
+        the batch means are accumulated over chunks of :data:`ALPHA_CHUNK` rows (the kernel derivatives of a chunk
+        are ``chunk x D x M``: all rows at once would not fit in memory in high dimension)."""
+        if create_graph or len(x) <= ALPHA_CHUNK:
+            g, b = self.net.alpha_system(x, create_graph=create_graph, **self.alpha_kwargs)
+        else:
+            parts = [(len(part), self.net.alpha_system(part, create_graph=False, **self.alpha_kwargs))
+                     for part in x.split(ALPHA_CHUNK)]
+            g = sum(n * gb[0] for n, gb in parts) / len(x)
+            b = sum(n * gb[1] for n, gb in parts) / len(x)
         if isinstance(self.loss, DSM):
             scale = self.loss.sigma ** {"none": -4, "sigma2": -2, "sigma4": 0}[self.loss.weighting]
             g, b = g * scale, b * scale

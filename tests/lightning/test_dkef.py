@@ -9,6 +9,7 @@ import torch
 
 from deqscore.cli.train import main
 from deqscore.lightning import build_module
+from deqscore.lightning import dkef as dkef_module
 from deqscore.lightning.callbacks import read_metrics_csv
 from deqscore.lightning.dkef import FINAL_STAGE_SEED
 
@@ -136,3 +137,18 @@ def test_the_stored_alpha_minimises_the_reported_loss_of_a_deq_feature_net():
 
     assert stationarity("unroll") < 1e-8
     assert stationarity("phantom") > 1e-5  # the other derivatives would give another alpha
+
+
+def test_a_graph_free_alpha_system_is_accumulated_over_chunks(monkeypatch):
+    """The exact-SM system has no random draws: chunked (7 rows at a time) and whole it is the same batch mean."""
+    torch.manual_seed(0)
+    module = build_module({"class_path": "deqscore.lightning.DKEFModule", "init_args": {
+        "net": {"class_path": "deqscore.models.DKEF", "init_args": {
+            "dim": 3, "n_centres": 6, "hidden": 5, "feature_net": "shallow"}}, "loss": "exact"}}).double()
+    x = torch.randn(20, 3, dtype=torch.float64)
+    module.net.init_centres(x)
+    whole = module.alpha_system(x, create_graph=False)
+    monkeypatch.setattr(dkef_module, "ALPHA_CHUNK", 7)
+    chunked = module.alpha_system(x, create_graph=False)
+    for a, b in zip(whole, chunked, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
