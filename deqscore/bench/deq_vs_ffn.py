@@ -222,7 +222,7 @@ def unit_name(density: Density, dim: int, model: str, loss: str, seed: int, args
 
 
 def run_all(args: argparse.Namespace) -> list[dict]:
-    """Every unit, skipping those recorded under ``<out>/units``."""
+    """Every unit, skipping those recorded under ``<out>/units`` (with ``--report-only``, missing ones too)."""
     units_dir = Path(args.out) / "units"
     units_dir.mkdir(parents=True, exist_ok=True)
     records = []
@@ -232,6 +232,8 @@ def run_all(args: argparse.Namespace) -> list[dict]:
         path = units_dir / f"{unit_name(den, d, m, lo, s, args)}.json"
         if path.exists():
             records.append(json.loads(path.read_text()))
+            continue
+        if args.report_only:
             continue
         rec = run_unit(den, d, m, lo, s, args)
         path.write_text(json.dumps(rec, indent=1))
@@ -398,7 +400,8 @@ def write(records: list[dict], args: argparse.Namespace, env: dict) -> dict:
     trends = trend(adv)
     all_tables = tables(rows, adv, trends, args)
     pngs = plot(rows, adv, out)
-    settings = {k: v for k, v in vars(args).items() if k != "densities"}
+    settings = {k: v for k, v in vars(args).items() if k not in ("densities", "report_only")}
+    settings["units"] = len(records)
     settings["densities"] = [d.name for d in args.densities]
     doc = {"environment": env, "settings": settings, "plots": pngs,
            "sections": {t.name: t.as_dict() for t in all_tables}}
@@ -429,6 +432,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-samples", type=int, default=8192)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=DEFAULT_OUT)
+    parser.add_argument("--report-only", action="store_true",
+                        help="tables and plots from the units already on disk; train nothing")
     args = parser.parse_args(argv)
     known = {d.name: d for d in DENSITIES}
     names = [n for n in args.densities.split(",") if n]

@@ -66,6 +66,8 @@ def test_study_tiny_budget_writes_results_and_resumes(tmp_path, monkeypatch):
     monkeypatch.setattr(deq_vs_ffn, "run_unit", refuse)
     again = deq_vs_ffn.main([*TINY, "--out", str(tmp_path)])
     assert again["sections"]["results"]["rows"] == rows
+    partial = deq_vs_ffn.main([*TINY, "--densities", "steep4,steep16", "--report-only", "--out", str(tmp_path)])
+    assert {r["param"] for r in partial["sections"]["results"]["rows"]} == {4}  # only what is on disk
 
 
 def test_kernel_regression_tiny_budget_writes_results_and_resumes(tmp_path, monkeypatch):
