@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,3 +41,26 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
+
+
+def nearest_existing(path: Path) -> Path:
+    """``path`` itself or its closest ancestor that exists (a file, a directory or a dangling link)."""
+    path = path.absolute()
+    while not os.path.lexists(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def unwritable(path: Path) -> tuple[Path, str] | None:
+    """Why files cannot be created in the directory ``path`` (existing or still to be made): its nearest existing
+    ancestor and the reason (``"not a directory"`` or the error of a trial file), or None when they can. A trial
+    file is made because root passes every permission check."""
+    existing = nearest_existing(path)
+    if not existing.is_dir():
+        return existing, "not a directory"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        return existing, str(err.strerror or err)
+    return None

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import sample
+from deqscore import files
 from deqscore.cli import sample as sampling_cli
 from deqscore.data.transforms import ImageCodec
 from deqscore.lightning import build_module, load_module
 from deqscore.sampling import NpyAppender, OutputError, check_output_dir, stream_samples
-from deqscore.sampling import stream as stream_mod
 
 TINY_NICE = {"class_path": "deqscore.lightning.NICEModule",
              "init_args": {"net": {"class_path": "deqscore.models.NICE",
@@ -255,7 +255,7 @@ def test_a_directory_that_cannot_be_written_is_a_usage_error(tmp_path, checkpoin
     def denied(*args, **kwargs):  # what creating a file in a read-only directory gives a user who is not root
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(stream_mod.tempfile, "TemporaryFile", denied)
+    monkeypatch.setattr(files.tempfile, "TemporaryFile", denied)
     err = _usage_error(["--checkpoint", checkpoint, "--out", tmp_path / "new" / "out"], capsys, tmp_path)
     assert f"--out: cannot write in {tmp_path}: Permission denied" in err
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import csv
 import fcntl
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ import torch
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from ..errors import ConfigError
-from ..files import staged
+from ..files import staged, unwritable
 
 #: files and folders that mark a directory as holding a run
 RUN_MARKERS = ("checkpoints", "metrics.csv", "config.yaml", "hparams.yaml")
@@ -80,17 +79,14 @@ def check_writable_run_dir(run_dir: Path) -> None:
     existing directory is removed at once)."""
     run_dir = Path(run_dir)
     for path in dict.fromkeys((run_dir.parent, run_dir)):
-        existing = path.absolute()
-        while not os.path.lexists(existing) and existing != existing.parent:
-            existing = existing.parent
-        if not existing.is_dir():
+        problem = unwritable(path)
+        if problem is None:
+            continue
+        existing, reason = problem
+        if reason == "not a directory":
             raise ConfigError(f"cannot create the run directory {run_dir}: {existing} is not a directory")
-        try:  # root passes every permission check, so try it
-            with tempfile.TemporaryFile(dir=existing):
-                pass
-        except OSError as err:
-            raise ConfigError(f"cannot write the run directory {run_dir}: cannot write in {existing} "
-                              f"({err.strerror or err}); choose another --runs_root or --run_name") from None
+        raise ConfigError(f"cannot write the run directory {run_dir}: cannot write in {existing} ({reason}); "
+                          "choose another --runs_root or --run_name")
 
 
 def holds_a_run(run_dir: Path) -> list[str]:

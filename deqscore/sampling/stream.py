@@ -22,7 +22,6 @@ name is always complete.
 from __future__ import annotations
 
 import os
-import tempfile
 import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..files import staged
+from ..files import staged, unwritable
 from .grid import save_image_grid
 
 #: at most this many samples go into the PNG grid
@@ -60,14 +59,6 @@ def output_paths(out_dir: str | Path, stem: str = "samples") -> tuple[Path, Path
 
 
 # ----- checking the output location before anything is drawn ---------------------------------------------------
-def _nearest_existing(path: Path) -> Path:
-    """``path`` itself or its closest ancestor that exists (a file, a directory or a dangling link)."""
-    path = path.absolute()
-    while not os.path.lexists(path) and path != path.parent:
-        path = path.parent
-    return path
-
-
 def check_output_dir(out_dir: str | Path, stem: str = "samples") -> None:
     """Raise :class:`OutputError` unless ``out_dir`` is, or can be created as, a writable directory whose sample
     files can be replaced. Creates nothing (a probe file in the existing directory is removed at once)."""
@@ -77,14 +68,12 @@ def check_output_dir(out_dir: str | Path, stem: str = "samples") -> None:
     for path in output_paths(out_dir, stem):
         if path.is_dir():
             raise OutputError(f"{path} is a directory; the samples cannot be written over it")
-    existing = _nearest_existing(out_dir)
-    if not existing.is_dir():
-        raise OutputError(f"cannot create {out_dir}: {existing} is not a directory")
-    try:  # root passes every permission check, so try it
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as err:
-        raise OutputError(f"cannot write in {existing}: {err.strerror or err}") from err
+    problem = unwritable(out_dir)
+    if problem is not None:
+        existing, reason = problem
+        if reason == "not a directory":
+            raise OutputError(f"cannot create {out_dir}: {existing} is not a directory")
+        raise OutputError(f"cannot write in {existing}: {reason}")
 
 
 # ----- writing -----------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
+from deqscore import files
 from deqscore.cli.train import main, run
 from deqscore.lightning.callbacks import read_metrics_csv
 from deqscore.lightning.runs import AtomicCheckpointIO, RunLock
@@ -244,12 +245,10 @@ def test_a_runs_root_that_is_a_file_is_one_message_naming_it(tmp_path, capsys):
 
 
 def test_a_runs_root_that_cannot_be_written_is_one_message_naming_it(tmp_path, capsys, monkeypatch):
-    from deqscore.lightning import runs
-
     def denied(*args, **kwargs):  # what creating a file in a read-only directory gives a user who is not root
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(runs.tempfile, "TemporaryFile", denied)
+    monkeypatch.setattr(files.tempfile, "TemporaryFile", denied)
     assert run(["fit", *tiny_args(tmp_path, EXPLICIT, "r"), "--runs_root", str(tmp_path / "ro" / "runs")]) == 2
     err = capsys.readouterr().err
     assert f"cannot write in {tmp_path} (Permission denied); choose another --runs_root" in err, err
