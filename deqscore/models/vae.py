@@ -50,10 +50,11 @@ def log_standard_normal(z: Tensor) -> Tensor:
 # ---------------------------------------------------------------- MLP (binarised MNIST)
 
 
-def tanh_mlp(d_in: int, hidden: int, d_out: int) -> nn.Sequential:
-    """``d_in -> hidden -> hidden (tanh) -> d_out``."""
-    return nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
-                         nn.Linear(hidden, d_out))
+def tanh_mlp(d_in: int, hidden: int, d_out: int, layers: int = 2) -> nn.Sequential:
+    """``d_in -> hidden -> ... -> hidden (tanh) -> d_out`` with ``layers`` hidden layers."""
+    dims = [d_in] + [hidden] * layers
+    body = [m for a, b in zip(dims, dims[1:], strict=False) for m in (nn.Linear(a, b), nn.Tanh())]
+    return nn.Sequential(*body, nn.Linear(hidden, d_out))
 
 
 class MLPDEQScoreMap(nn.Module):
@@ -73,11 +74,12 @@ class MLPScore(nn.Module):
     """``s(x, z)``: explicit ``[x, z] -> 256 -> 256 (tanh) -> z``, or DEQ ``u = SP(Linear [x, z])``, fixed point of
     :class:`MLPDEQScoreMap`, ``Linear -> z``."""
 
-    def __init__(self, dim: int, z_dim: int, hidden: int, kind: str, deq: DEQFactory, norm_scale: float):
+    def __init__(self, dim: int, z_dim: int, hidden: int, kind: str, deq: DEQFactory, norm_scale: float,
+                 layers: int = 2):
         super().__init__()
         self.kind = kind
         if kind == "explicit":
-            self.net = tanh_mlp(dim + z_dim, hidden, z_dim)
+            self.net = tanh_mlp(dim + z_dim, hidden, z_dim, layers)
         else:
             self.inject = nn.Linear(dim + z_dim, hidden)
             self.deq = deq(MLPDEQScoreMap(hidden, norm_scale))
@@ -278,6 +280,7 @@ class ImplicitVAE(_Decoding):
             ``"deq_full"``), and smaller values are refused. None: twice the bound (a contraction factor of at
             most 1/2).
         n_projections: projection vectors of the score network's SSM-VR loss.
+        score_layers: hidden layers of the explicit MLP score network (2: the reference's).
     """
 
     def __init__(
@@ -293,6 +296,7 @@ class ImplicitVAE(_Decoding):
         deq: DEQFactory | None = None,  # DEQ layer options (the DEQ score networks)
         norm_scale: float | None = None,  # C of w = C (||W||_F + 1e-6); None: twice the map's contraction bound
         n_projections: int = 1,  # projections of the score network's SSM-VR loss
+        score_layers: int = 2,  # hidden layers of the explicit MLP score network
     ):
         super().__init__()
         side = _check(dim, channels, arch, z_dim, eps_dim, hidden)
@@ -303,11 +307,15 @@ class ImplicitVAE(_Decoding):
                               "for arch 'mlp' use score 'deq'")
         norm_scale = _norm_scale(arch, score, norm_scale)
         check_count("VAE n_projections", n_projections)
+        check_count("VAE score_layers", score_layers)
+        if score_layers != 2 and (arch, score) != ("mlp", "explicit"):
+            raise ConfigError(f"VAE score_layers sets the depth of the explicit MLP score network (arch 'mlp', score "
+                              f"'explicit'); got arch {arch!r}, score {score!r}")
         self._build_decoder(arch, dim, channels, side, z_dim, hidden, nef)
         self.eps_dim, self.score_kind, self.n_projections = eps_dim, score, n_projections
         if arch == "mlp":
             self.encoder = tanh_mlp(dim + eps_dim, hidden, z_dim)
-            self.score = MLPScore(dim, z_dim, hidden, score, deq or DEQ, norm_scale)
+            self.score = MLPScore(dim, z_dim, hidden, score, deq or DEQ, norm_scale, score_layers)
         else:
             self.encoder = ConvEncoder(channels, side, z_dim, eps_dim, nef)
             self.score = ConvScore(channels, side, z_dim, nef, score, deq or DEQ, norm_scale)

@@ -253,3 +253,13 @@ def test_conv_score_networks_downsample_as_documented(side, score, convs, top, o
         assert (inject.kernel_size, inject.stride, inject.out_channels) == ((4, 4), (4, 4), 2 * nef)
     x = torch.rand(2, 3 * side * side)
     assert vae.score(vae.net_input(x), torch.randn(2, 2)).shape == (2, 2)
+
+
+def test_explicit_mlp_score_network_depth_is_an_option_of_that_network_only():
+    deep = ImplicitVAE(dim=12, z_dim=2, eps_dim=2, hidden=8, score="explicit", score_layers=5)
+    linears = [m for m in deep.score.net if isinstance(m, nn.Linear)]
+    assert [(m.in_features, m.out_features) for m in linears] == [(14, 8)] + [(8, 8)] * 4 + [(8, 2)]
+    default = ImplicitVAE(dim=12, z_dim=2, eps_dim=2, hidden=8, score="explicit")
+    assert sum(isinstance(m, nn.Linear) for m in default.score.net) == 3  # the reference's two hidden layers
+    with pytest.raises(ConfigError, match="score_layers"):
+        ImplicitVAE(dim=12, z_dim=2, eps_dim=2, hidden=8, score="deq", score_layers=5)
