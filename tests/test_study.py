@@ -16,20 +16,32 @@ TINY = [
 ]
 
 
-def test_study_table_matches_the_runs(tmp_path):
-    rows = study.main(["--epochs", "1", "--variants", "explicit_ssm,deq_ssm", "--runs-root", str(tmp_path / "runs"),
-                       "--out", str(tmp_path / "out"), "--extra", *TINY])
+def test_study_table_matches_the_runs_and_recorded_units_are_not_run_again(tmp_path, monkeypatch):
+    args = ["--epochs", "1", "--variants", "explicit_ssm,deq_ssm", "--seeds", "0,1", "--runs-root",
+            str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--extra", *TINY]
+    rows = study.main(args)
     doc = json.loads((tmp_path / "out" / "nice_study.json").read_text())
-    assert [r["variant"] for r in doc["rows"]] == ["explicit_ssm", "deq_ssm"] == [r["variant"] for r in rows]
+    expected = [("explicit_ssm", 0), ("explicit_ssm", 1), ("deq_ssm", 0), ("deq_ssm", 1)]
+    assert [(r["variant"], r["seed"]) for r in doc["rows"]] == expected == [(r["variant"], r["seed"]) for r in rows]
     md = (tmp_path / "out" / "nice_study.md").read_text()
     for row in rows:
-        assert f"| {row['variant']} | 1 (2) |" in md
-        series = read_metrics_csv(tmp_path / "runs" / row["variant"] / "metrics.csv")
+        assert f"| {row['variant']} | {row['seed']} | 1 (2) |" in md
+        series = read_metrics_csv(tmp_path / "runs" / f"{row['variant']}_s{row['seed']}" / "metrics.csv")
         for key in ("log_likelihood", "bits_per_dim", "exact_sm"):
             assert row[key] == pytest.approx(series[f"test/{key}"][-1][1])
         assert row["parameters"] == series["run/parameters"][-1][1]
+    # the seed reaches the run: different initial weights, different test figures
+    assert rows[0]["log_likelihood"] != rows[1]["log_likelihood"]
+    # the summary: mean and standard error over the seeds, from the rows
+    summary = {s["variant"]: s for s in doc["summary"]}
+    a, b = (r["bits_per_dim"] for r in rows[:2])
+    assert summary["explicit_ssm"]["bits_per_dim"]["mean"] == pytest.approx((a + b) / 2)
+    assert summary["explicit_ssm"]["bits_per_dim"]["stderr"] == pytest.approx(abs(a - b) / 2)
     # the DEQ m-net has two hidden 12x12 layers where the 3-layer explicit one has one
-    assert rows[1]["parameters"] - rows[0]["parameters"] == 2 * (12 * 12 + 12)
+    assert rows[2]["parameters"] - rows[0]["parameters"] == 2 * (12 * 12 + 12)
+    # a second call reads every unit back: nothing is trained again
+    monkeypatch.setattr(study, "run_variant", lambda *a, **k: pytest.fail("a recorded unit was run again"))
+    assert study.main(args) == rows
 
 
 def test_unknown_variant_is_refused(tmp_path, capsys):

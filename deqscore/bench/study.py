@@ -1,15 +1,20 @@
-"""A reduced-budget NICE study: train explicit and DEQ NICE with the same loss, then test each.
+"""A reduced-budget NICE study: train explicit and DEQ NICE with the same loss and budget over several seeds, then
+test each run.
 
 Run::
 
-    python -m deqscore.bench.study                          # 2 epochs per variant at the paper's sizes
-    python -m deqscore.bench.study --epochs 1 --variants explicit_ssm,deq_ssm --extra --data.init_args.train_subset=6400
+    python -m deqscore.bench.study                          # 2 epochs per variant and seed at the paper's sizes
+    python -m deqscore.bench.study --seeds 0,1,2 --epochs 1 --variants explicit_ssm,deq_ssm
 
-Each variant is ``train.py fit`` on one of ``configs/nice/*.yaml`` (run directory ``<runs-root>/<variant>``)
-followed by ``train.py test`` on its last checkpoint. The table (``nice_study.md`` / ``.json`` under ``--out``)
-holds, per variant: parameters, activation memory of one training step, seconds per training step, and the
-test log-likelihood (logit space), bits/dim and exact SM. The paper trains 100 epochs; this study shows the
-framework end to end at a budget a CPU affords, so compare rows with each other, not with the paper.
+Each (variant, seed) is ``train.py fit`` on one of ``configs/nice/*.yaml`` with ``seed_everything`` set to the
+seed (run directory ``<runs-root>/<variant>_s<seed>``) followed by ``train.py test`` on its last checkpoint, and is
+recorded as one JSON file under ``<out>/study/nice/`` (family, variant, seed, device, budget and the row). A
+recorded unit with the same budget is read back instead of run again, so an interrupted study continues where it
+stopped (a run directory left by an interrupted unit is moved aside). The table (``nice_study.md`` / ``.json``
+under ``--out``) holds, per run: parameters, activation memory of one training step, seconds per training step,
+and the test log-likelihood (logit space), bits/dim and exact SM; and per variant the mean and standard error over
+the seeds. The paper trains 100 epochs; this study shows the framework end to end at a budget a CPU affords, so
+compare rows with each other, not with the paper.
 """
 
 from __future__ import annotations
@@ -48,24 +53,29 @@ COMMON = ("--model.init_args.exact_sm_samples=32",)
 TEST_KEYS = ("test/log_likelihood", "test/bits_per_dim", "test/exact_sm", "test/loss")
 
 
-def run_variant(name: str, epochs: int, runs_root: Path, extra: list[str]) -> dict:
-    """Fit then test one variant; return its row."""
+def run_variant(name: str, epochs: int, runs_root: Path, extra: list[str], seed: int = 0) -> dict:
+    """Fit then test one variant at one seed; return its row."""
     from ..cli.train import main
+    from ..lightning.runs import move_aside
 
     # the runs are CLI calls made from Python while this script has its own argv
     warnings.filterwarnings("ignore", "LightningCLI's args parameter is intended")
     variant = VARIANTS[name]
-    common = [f"--run_name={name}", f"--runs_root={runs_root}", *COMMON, *variant.overrides, *extra]
+    run_dir = runs_root / f"{name}_s{seed}"
+    if run_dir.exists():  # left by an interrupted unit: kept aside, never written into
+        print(f"moved the unfinished run {run_dir} to {move_aside(run_dir)}")
+    common = [f"--run_name={run_dir.name}", f"--runs_root={runs_root}", f"--seed_everything={seed}", *COMMON,
+              *variant.overrides, *extra]
     start = time.perf_counter()
     fit = main(["fit", f"--config={ROOT / variant.config}", f"--trainer.max_epochs={epochs}", *common])
     fit_seconds = time.perf_counter() - start
-    run_dir = runs_root / name
     test = main(["test", f"--config={run_dir / 'config.yaml'}",
                  f"--ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}"])
     series = read_metrics_csv(run_dir / "metrics.csv")
     steps = fit.trainer.global_step
     row = {
         "variant": name,
+        "seed": seed,
         "config": variant.config,
         "overrides": " ".join([*variant.overrides, *extra]),
         "epochs": epochs,
@@ -78,21 +88,62 @@ def run_variant(name: str, epochs: int, runs_root: Path, extra: list[str]) -> di
     return row
 
 
+def run_unit(name: str, seed: int, epochs: int, runs_root: Path, extra: list[str], out: Path, device: str) -> dict:
+    """The row of (``name``, ``seed``): read back from its unit file when recorded with the same budget, else run
+    and recorded (written whole: an interrupted write leaves no unit)."""
+    unit = out / "study" / "nice" / f"{name}_s{seed}.json"
+    budget = {"epochs": epochs, "extra": list(extra)}
+    if unit.exists():
+        saved = json.loads(unit.read_text())
+        if saved["budget"] == budget:
+            print(f"{name}, seed {seed}: recorded in {unit}")
+            return saved["row"]
+    row = run_variant(name, epochs, runs_root, extra, seed)
+    unit.parent.mkdir(parents=True, exist_ok=True)
+    tmp = unit.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"family": "nice", "variant": name, "seed": seed, "device": device,
+                               "budget": budget, "row": row}, indent=1))
+    tmp.replace(unit)
+    return row
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """Per variant: the seeds, and the mean and standard error over them of every test metric."""
+    out = []
+    for name in dict.fromkeys(r["variant"] for r in rows):
+        runs = [r for r in rows if r["variant"] == name]
+        summary = {"variant": name, "seeds": [r["seed"] for r in runs]}
+        for key in (*(k.split("/")[1] for k in TEST_KEYS), "activation_memory_mb", "seconds_per_step"):
+            values = [r[key] for r in runs]
+            mean = sum(values) / len(values)
+            var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else float("nan")
+            summary[key] = {"mean": mean, "stderr": (var / len(values)) ** 0.5}
+        out.append(summary)
+    return out
+
+
 def to_markdown(rows: list[dict], env: dict) -> str:
     lines = ["# NICE study (reduced budget)", ""]
     lines += [f"* **{k}**: {v}" for k, v in env.items()]
-    lines += ["", "| variant | epochs (steps) | parameters | activation memory (MiB) | s / step | test log-lik. "
-              "(nats, logit) | test bits/dim | test exact SM | test loss |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| variant | seed | epochs (steps) | parameters | activation memory (MiB) | s / step | test "
+              "log-lik. (nats, logit) | test bits/dim | test exact SM | test loss |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['variant']} | {r['epochs']} ({r['steps']}) | {r['parameters']:,} | {r['activation_memory_mb']:.1f} "
-            f"| {r['seconds_per_step']:.3f} | {r['log_likelihood']:.1f} | {r['bits_per_dim']:.3f} | "
-            f"{r['exact_sm']:.1f} | {r['loss']:.1f} |"
+            f"| {r['variant']} | {r['seed']} | {r['epochs']} ({r['steps']}) | {r['parameters']:,} | "
+            f"{r['activation_memory_mb']:.1f} | {r['seconds_per_step']:.3f} | {r['log_likelihood']:.1f} | "
+            f"{r['bits_per_dim']:.3f} | {r['exact_sm']:.1f} | {r['loss']:.1f} |"
         )
+    lines += ["", "Mean ± standard error over the seeds (nan with one seed):", "",
+              "| variant | seeds | test log-lik. | test bits/dim | test exact SM |", "|---|---|---|---|---|"]
+    for s in summarise(rows):
+        cells = [f"{s[k]['mean']:.3f} ± {s[k]['stderr']:.3f}" for k in ("log_likelihood", "bits_per_dim", "exact_sm")]
+        lines.append(f"| {s['variant']} | {', '.join(map(str, s['seeds']))} | {' | '.join(cells)} |")
     lines += ["", "* s / step: wall clock of `fit` divided by its steps (validation and checkpointing included).",
               "* test exact SM: through a cold unroll of the solver (the converged model's exact SM), on the "
               "configured number of test batches/samples; bits/dim as logged (approximate for the `logit` clamp)."]
-    lines += [f"* {r['variant']}: `{r['config']}` {r['overrides']}".rstrip() for r in rows]
+    lines += [f"* {r['variant']}: `{r['config']}` {r['overrides']}".rstrip()
+              for r in {r["variant"]: r for r in rows}.values()]
     return "\n".join(lines) + "\n"
 
 
@@ -105,11 +156,14 @@ def chosen_variants(parser: argparse.ArgumentParser, text: str, known: dict) -> 
     return names
 
 
-def write_study(out: str | Path, stem: str, rows: list[dict], env: dict, markdown: str) -> None:
-    """``<out>/<stem>.json`` (environment and rows) and ``<out>/<stem>.md``; the markdown is also printed."""
+def write_study(out: str | Path, stem: str, rows: list[dict], env: dict, markdown: str,
+                summary: list[dict] | None = None) -> None:
+    """``<out>/<stem>.json`` (environment, rows and, when given, the per-variant summary) and ``<out>/<stem>.md``;
+    the markdown is also printed."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+    doc = {"environment": env, "rows": rows, **({"summary": summary} if summary is not None else {})}
+    (out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
     (out / f"{stem}.md").write_text(markdown)
     print(markdown)
 
@@ -117,15 +171,21 @@ def write_study(out: str | Path, stem: str, rows: list[dict], env: dict, markdow
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds (seed_everything of each run)")
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"from {sorted(VARIANTS)}")
     parser.add_argument("--runs-root", default="checkpoints/study")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="arguments passed to every run")
     args = parser.parse_args(argv)
     names = chosen_variants(parser, args.variants, VARIANTS)
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s]
+    except ValueError:
+        parser.error(f"--seeds takes comma-separated integers, got {args.seeds!r}")
     env = environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))  # before the load we add
-    rows = [run_variant(name, args.epochs, Path(args.runs_root), args.extra) for name in names]
-    write_study(args.out, "nice_study", rows, env, to_markdown(rows, env))
+    rows = [run_unit(name, seed, args.epochs, Path(args.runs_root), args.extra, Path(args.out), env["device"])
+            for name in names for seed in seeds]
+    write_study(args.out, "nice_study", rows, env, to_markdown(rows, env), summarise(rows))
     return rows
 
 
