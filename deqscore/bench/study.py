@@ -42,6 +42,7 @@ class Variant:
 
 VARIANTS = {
     "explicit_ssm": Variant("configs/nice/explicit.yaml", ("--model.init_args.loss=ssm",)),
+    "explicit_deep_ssm": Variant("configs/nice/explicit_deep.yaml", ("--model.init_args.loss=ssm",)),
     "deq_ssm": Variant("configs/nice/deq.yaml", ("--model.init_args.loss=ssm",)),
     "deq_reference_ssm": Variant("configs/nice/deq_reference.yaml", ("--model.init_args.loss=ssm",)),
     "explicit_dsm": Variant("configs/nice/explicit.yaml", ("--model.init_args.loss=dsm", "--optimizer.lr=1e-3")),
