@@ -38,6 +38,7 @@ from ..deq import deq_backward
 from ..errors import ConfigError, check_count, check_real
 from ..losses import DSM, SSM, SSMVR, ExactSM, ScoreLoss, build_loss, exact_score_matching
 from ..models import DKEF
+from ..models.dkef import effective_sample_size
 from .base import ScoreModule
 
 DKEF_LOSSES = ("exact", "ssm", "ssm_vr", "dsm")
@@ -90,7 +91,7 @@ class DKEFModule(ScoreModule):
         self.log_z_samples, self.final_log_z_samples = log_z_samples, final_log_z_samples
         self.final_lambda_steps, self.final_lambda_lr = final_lambda_steps, final_lambda_lr
         self.exact_sm_batches = exact_sm_batches
-        self._log_z: tuple[float, float] | None = None
+        self._log_z: tuple[float, float, int] | None = None  # log Z, its standard error, the draws
 
     # ----- data -----------------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -149,7 +150,7 @@ class DKEFModule(ScoreModule):
     def _estimate_log_z(self, n_samples: int) -> None:
         generator = torch.Generator(device=self.device).manual_seed(12345)
         log_z, stderr = self.net.log_partition(n_samples=n_samples, chunk=self.log_z_chunk, generator=generator)
-        self._log_z = (float(log_z), float(stderr))
+        self._log_z = (float(log_z), float(stderr), n_samples)
 
     def on_validation_epoch_start(self) -> None:
         super().on_validation_epoch_start()
@@ -163,12 +164,12 @@ class DKEFModule(ScoreModule):
     def eval_metrics(self, x: torch.Tensor, stage: str, batch_idx: int) -> dict[str, torch.Tensor]:
         metrics: dict[str, Any] = {}
         if self._log_z is not None:
-            log_z, stderr = self._log_z
+            log_z, stderr, n_draws = self._log_z
             whitened = (self.net.log_density(x).detach() - log_z).mean()
             # in the data's own units (the whitening's Jacobian added), and in the whitened space the model sees
             jacobian = getattr(self.datamodule(), "log_det_whitening", 0.0)
             metrics |= {"log_likelihood": whitened + jacobian, "log_likelihood_whitened": whitened, "log_z": log_z,
-                        "log_z_stderr": stderr}
+                        "log_z_stderr": stderr, "log_z_ess": effective_sample_size(stderr, n_draws)}
         if self.exact_sm_batches < 0 or batch_idx < self.exact_sm_batches:
             with deq_backward(self.net, "unroll"):  # the model as solved to tolerance (see NICEModule)
                 metrics["exact_sm"] = exact_score_matching(self.score_with(None), x, create_graph=False).mean()

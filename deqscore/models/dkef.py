@@ -554,6 +554,16 @@ class DKEF(nn.Module):
         return _is_summary(float(s1), float(s2), n_samples)
 
 
+def effective_sample_size(stderr: float, n: int) -> float:
+    """The importance sampler's ESS ``(sum w)^2 / sum w^2`` from the standard error of log Z that
+    :meth:`DKEF.log_partition` reports for ``n`` draws (the inverse of ``stderr = sqrt((n / ESS - 1) / (n - 1))``).
+
+    >>> round(effective_sample_size(math.sqrt((1000 / 250 - 1) / 999), 1000), 6)
+    250.0
+    """
+    return n / (1.0 + (n - 1) * stderr**2)
+
+
 def _is_summary(log_sum_w: float, log_sum_w2: float, n: int) -> tuple[float, float]:
     """``(log Z, stderr)`` from ``log sum w`` and ``log sum w^2``; warns on a small ESS or a large stderr."""
     if not (math.isfinite(log_sum_w) and math.isfinite(log_sum_w2)):

@@ -12,6 +12,7 @@ from deqscore.lightning import build_module
 from deqscore.lightning import dkef as dkef_module
 from deqscore.lightning.callbacks import read_metrics_csv
 from deqscore.lightning.dkef import FINAL_STAGE_SEED
+from deqscore.models.dkef import effective_sample_size
 
 from .conftest import UCI_DATA, tiny_args
 
@@ -40,6 +41,10 @@ def test_a_short_fit_on_redwine_lowers_the_validation_loss(tmp_path):
                      for s in range(12)]
     spread = float(torch.tensor(estimates).std())
     assert 0.4 < float(metrics["val/log_z_stderr"]) / spread < 2.5, (float(metrics["val/log_z_stderr"]), spread)
+    # the logged effective sample size: the validation estimate's n draws (the inverse formula is checked against
+    # explicit weights in tests/models/test_dkef.py)
+    ess = effective_sample_size(float(metrics["val/log_z_stderr"]), n)
+    assert float(metrics["val/log_z_ess"]) == pytest.approx(ess, rel=1e-5) and 1 < ess < n
 
 
 @pytest.mark.parametrize("weighting", ["none", "sigma2", "sigma4"])

@@ -1,4 +1,5 @@
 import math
+import warnings
 from functools import partial
 
 import pytest
@@ -472,3 +473,17 @@ def test_dkef_deq_configs_truncate_the_neumann_series_as_documented(config, expe
     w = body.deq.func.scaled_weight().detach()
     expected = sum(torch.linalg.matrix_power(w, k) for k in range(expected_terms))
     torch.testing.assert_close(jac, expected)
+
+
+def test_effective_sample_size_is_recovered_from_the_reported_standard_error():
+    """Against ESS = (sum w)^2 / sum w^2 of explicit weights, through the standard error the summary reports."""
+    from deqscore.models.dkef import _is_summary, effective_sample_size
+
+    log_w = torch.randn(500, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 1.5
+    w = log_w.exp()
+    direct = (w.sum() ** 2 / (w**2).sum()).item()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        _, stderr = _is_summary(torch.logsumexp(log_w, 0).item(), torch.logsumexp(2 * log_w, 0).item(), 500)
+    assert effective_sample_size(stderr, 500) == pytest.approx(direct, rel=1e-9)
+    assert direct < 400  # the weights are uneven: the test is not the trivial ESS = n
