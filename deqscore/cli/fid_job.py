@@ -47,16 +47,16 @@ def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def report_matches(report_path: str | Path, samples_path: str | Path, digest: str | None = None) -> bool:
+def report_matches(report_path: str | Path, samples_path: str | Path) -> bool:
     """Whether the FID report at ``report_path`` describes the samples at ``samples_path`` (its ``samples_sha256`` is
-    theirs; ``digest``: theirs, when already known). A report that does not parse or records no digest does not."""
+    theirs). A report that does not parse or records no digest does not."""
     try:
         recorded = json.loads(Path(report_path).read_text()).get("samples_sha256")
     except (OSError, ValueError, AttributeError):
         return False
     if not isinstance(recorded, str) or not Path(samples_path).is_file():
         return False
-    return recorded == (digest or file_sha256(samples_path))
+    return recorded == file_sha256(samples_path)
 
 
 def _moments_digest(reference: Any) -> str:

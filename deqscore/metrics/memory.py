@@ -24,6 +24,13 @@ def _storage_key(t: torch.Tensor) -> tuple:
         return (id(t), t.device)
 
 
+def _storage_nbytes(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):  # tensors without storage: their own elements
+        return t.numel() * t.element_size()
+
+
 class SavedTensorMeter:
     """Context manager summing the distinct storages autograd saves while active.
 
@@ -44,10 +51,7 @@ class SavedTensorMeter:
         self._pinned.append(t)
         key = _storage_key(t)
         if key not in self._excluded and key not in self._seen:
-            try:
-                self._seen[key] = t.untyped_storage().nbytes()
-            except (RuntimeError, NotImplementedError):
-                self._seen[key] = t.numel() * t.element_size()
+            self._seen[key] = _storage_nbytes(t)
         return t
 
     @property
@@ -119,11 +123,7 @@ def peak_tensor_bytes(fn: Callable[[], Any], max_ops: int | None = None) -> int:
             out = func(*args, **(kwargs or {}))
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and (key := _storage_key(t)) not in live:
-                    try:
-                        size = t.untyped_storage().nbytes()
-                    except (RuntimeError, NotImplementedError):
-                        size = t.numel() * t.element_size()
-                    live[key] = size
+                    size = live[key] = _storage_nbytes(t)
                     state["bytes"] += size
                     state["peak"] = max(state["peak"], state["bytes"])
                     weakref.finalize(t, free, key)
