@@ -25,12 +25,10 @@ Run::
 from __future__ import annotations
 
 import copy
-import json
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -43,6 +41,7 @@ from .dkef import data_root
 from .measure import MIB, log, loss_step_bytes
 from .report import Column, Table
 from .settings import FORCED_TOL, Settings
+from .units import recorded
 
 DEPTHS = {"full": (2, 4, 8, 16), "quick": (1, 2)}
 PHANTOM_STEPS = {"full": (1, 2, 4), "quick": (1, 2)}
@@ -187,26 +186,6 @@ FAMILIES: dict[str, DepthFamily] = {
 VAL_ARGS = ["--trainer.limit_val_batches", "2"]
 
 
-# ---------------------------------------------------------------- units
-
-
-def _unit(out: Path, name: str, settings: dict, measure: Callable[[], Any]) -> Any:
-    """``measure()``, or what an earlier run recorded for ``name`` with the same ``settings``."""
-    path = out / "depth_units" / f"{name}.json"
-    settings = json.loads(json.dumps(settings))  # as it reads back (tuples become lists)
-    if path.exists():
-        saved = json.loads(path.read_text())
-        if saved.get("settings") == settings:
-            log(f"depth: {name} recorded earlier ({path})")
-            return saved["value"]
-    value = measure()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"settings": settings, "value": value}, indent=1))
-    tmp.replace(path)
-    return value
-
-
 def _measure(family: DepthFamily, mode: str, options: Options, depth: int | None) -> dict:
     """Parameters and activation memory of one training step of ``family`` built with ``options``; ``depth``:
     the DEQ layers untied into explicit stacks of that depth."""
@@ -344,10 +323,11 @@ def depth(s: Settings, device: torch.device) -> Table:
         settings = {"mode": s.mode, "sizes": family.sizes[s.mode], "batch": family.batch[s.mode],
                     "depths": DEPTHS[s.mode], "phantom_steps": PHANTOM_STEPS[s.mode],
                     "iterations": ITERATIONS[s.mode], "config": (ROOT / family.config).read_text()}
-        rows = _unit(out, f"{name}__rows", settings, lambda f=family: family_rows(f, s.mode))
+        rows = recorded(out / "depth_units" / f"{name}__rows.json", settings, lambda f=family: family_rows(f, s.mode))
         train = {"mode": s.mode, "args": family.train_args and family.train_args[s.mode],
                  "config": settings["config"]}
-        eff = _unit(out, f"{name}__effective_depth", train, lambda f=family: effective_depth(f, s.mode))
+        eff = recorded(out / "depth_units" / f"{name}__effective_depth.json", train,
+                       lambda f=family: effective_depth(f, s.mode))
         results[name] = {"rows": rows, "effective_depth": eff}
         out.mkdir(parents=True, exist_ok=True)
         plot(family, rows, eff, out / f"depth_{name}.png")

@@ -41,6 +41,7 @@ from ..losses import denoising_score_matching, sliced_score_matching
 from ..metrics import parameter_count, step_activation_bytes
 from .measure import environment, log
 from .report import Column, Table, table_markdown
+from .units import mean_stderr
 
 Tensor = torch.Tensor
 OSC_AMPLITUDE = 0.5
@@ -242,14 +243,6 @@ def run_all(args: argparse.Namespace) -> list[dict]:
     return records
 
 
-def mean_se(values: list[float]) -> tuple[float, float | None]:
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return mean, None
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
-
-
 def summarise(records: list[dict]) -> list[dict]:
     """One row per (d, density, loss, network): seed means and standard errors."""
     groups: dict[tuple, list[dict]] = {}
@@ -257,17 +250,17 @@ def summarise(records: list[dict]) -> list[dict]:
         groups.setdefault((r["dim"], r["family"], r["param"], r["loss"], r["model"]), []).append(r)
     rows = []
     for (dim, family, param, loss, model), rs in sorted(groups.items(), key=lambda kv: kv[0]):
-        fd, fd_se = mean_se([r["fisher"] for r in rs])
-        fd1, fd1_se = mean_se([r["fisher_x1"] for r in rs])
+        fd, fd_se = mean_stderr([r["fisher"] for r in rs])
+        fd1, fd1_se = mean_stderr([r["fisher_x1"] for r in rs])
         iters = [r["solver_iters"] for r in rs if r["solver_iters"] is not None]
         rows.append({
             "dim": dim, "family": family, "param": param, "loss": loss, "model": model, "seeds": len(rs),
             "fisher": fd, "fisher_se": fd_se, "fisher_x1": fd1, "fisher_x1_se": fd1_se,
-            "parameters": rs[0]["parameters"], "activation_kib": mean_se([r["activation_kib"] for r in rs])[0],
-            "ms_per_step": mean_se([r["ms_per_step"] for r in rs])[0],
-            "solver_iters": mean_se(iters)[0] if iters else None,
-            "max_abs_weight": mean_se([r["max_abs_weight"] for r in rs])[0],
-            "participation_ratio": mean_se([r["participation_ratio"] for r in rs])[0],
+            "parameters": rs[0]["parameters"], "activation_kib": mean_stderr([r["activation_kib"] for r in rs])[0],
+            "ms_per_step": mean_stderr([r["ms_per_step"] for r in rs])[0],
+            "solver_iters": mean_stderr(iters)[0] if iters else None,
+            "max_abs_weight": mean_stderr([r["max_abs_weight"] for r in rs])[0],
+            "participation_ratio": mean_stderr([r["participation_ratio"] for r in rs])[0],
         })
     return rows
 

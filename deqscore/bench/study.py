@@ -30,6 +30,7 @@ import torch
 
 from ..lightning.callbacks import read_metrics_csv
 from .measure import environment
+from .units import mean_stderr, recorded
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,34 +92,22 @@ def run_variant(name: str, epochs: int, runs_root: Path, extra: list[str], seed:
 
 def run_unit(name: str, seed: int, epochs: int, runs_root: Path, extra: list[str], out: Path, device: str) -> dict:
     """The row of (``name``, ``seed``): read back from its unit file when recorded with the same budget, else run
-    and recorded (written whole: an interrupted write leaves no unit)."""
+    and recorded (:func:`deqscore.bench.units.recorded`)."""
     unit = out / "study" / "nice" / f"{name}_s{seed}.json"
     budget = {"epochs": epochs, "extra": list(extra)}
-    if unit.exists():
-        saved = json.loads(unit.read_text())
-        if saved["budget"] == budget:
-            print(f"{name}, seed {seed}: recorded in {unit}")
-            return saved["row"]
-    row = run_variant(name, epochs, runs_root, extra, seed)
-    unit.parent.mkdir(parents=True, exist_ok=True)
-    tmp = unit.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"family": "nice", "variant": name, "seed": seed, "device": device,
-                               "budget": budget, "row": row}, indent=1))
-    tmp.replace(unit)
-    return row
+    return recorded(unit, budget, lambda: run_variant(name, epochs, runs_root, extra, seed),
+                    family="nice", variant=name, seed=seed, device=device)
 
 
 def summarise(rows: list[dict]) -> list[dict]:
-    """Per variant: the seeds, and the mean and standard error over them of every test metric."""
+    """Per variant: the seeds, and the mean and standard error over them (None for one seed) of every metric."""
     out = []
     for name in dict.fromkeys(r["variant"] for r in rows):
         runs = [r for r in rows if r["variant"] == name]
         summary = {"variant": name, "seeds": [r["seed"] for r in runs]}
         for key in (*(k.split("/")[1] for k in TEST_KEYS), "activation_memory_mb", "seconds_per_step"):
-            values = [r[key] for r in runs]
-            mean = sum(values) / len(values)
-            var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else float("nan")
-            summary[key] = {"mean": mean, "stderr": (var / len(values)) ** 0.5}
+            mean, stderr = mean_stderr([r[key] for r in runs])
+            summary[key] = {"mean": mean, "stderr": stderr}
         out.append(summary)
     return out
 
@@ -135,10 +124,11 @@ def to_markdown(rows: list[dict], env: dict) -> str:
             f"{r['activation_memory_mb']:.1f} | {r['seconds_per_step']:.3f} | {r['log_likelihood']:.1f} | "
             f"{r['bits_per_dim']:.3f} | {r['exact_sm']:.1f} | {r['loss']:.1f} |"
         )
-    lines += ["", "Mean ± standard error over the seeds (nan with one seed):", "",
+    lines += ["", "Mean ± standard error over the seeds (None with one seed):", "",
               "| variant | seeds | test log-lik. | test bits/dim | test exact SM |", "|---|---|---|---|---|"]
     for s in summarise(rows):
-        cells = [f"{s[k]['mean']:.3f} ± {s[k]['stderr']:.3f}" for k in ("log_likelihood", "bits_per_dim", "exact_sm")]
+        cells = [f"{s[k]['mean']:.3f} ± {s[k]['stderr'] if s[k]['stderr'] is None else format(s[k]['stderr'], '.3f')}"
+                 for k in ("log_likelihood", "bits_per_dim", "exact_sm")]
         lines.append(f"| {s['variant']} | {', '.join(map(str, s['seeds']))} | {' | '.join(cells)} |")
     lines += ["", "* s / step: wall clock of `fit` divided by its steps (validation and checkpointing included).",
               "* test exact SM: through a cold unroll of the solver (the converged model's exact SM), on the "
