@@ -1,70 +1,143 @@
-"""The reduced-budget NICE study on tiny settings: its table reports what the runs logged."""
+"""The reproduction study end to end at a tiny budget, per family: every unit is recorded with what its run logged
+and scored, a recorded unit is not run again, and the page is written from the unit files alone."""
 
 import json
+import math
 
 import pytest
 
 from deqscore.bench import study
+from deqscore.bench.study import FAMILIES, core
+from deqscore.bench.study.report import fmt
 from deqscore.lightning.callbacks import read_metrics_csv
 
-TINY = [
-    "--model.init_args.net.init_args.hidden=12", "--model.init_args.net.init_args.n_layers=3",
-    "--model.init_args.net.init_args.n_couplings=2", "--model.init_args.exact_sm_samples=4",
-    "--data.init_args.batch_size=16", "--data.init_args.eval_batch_size=16", "--data.init_args.train_subset=32",
-    "--data.init_args.val_subset=16", "--data.init_args.test_subset=16", "--trainer.enable_progress_bar=false",
-    "--trainer.enable_model_summary=false", "--trainer.log_every_n_steps=1",
-]
+QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+         "--trainer.log_every_n_steps=1", "--trainer.limit_val_batches=2"]
+MNIST_SUBSETS = ["--data.init_args.train_subset=48", "--data.init_args.val_subset=16",
+                 "--data.init_args.test_subset=16", "--data.init_args.eval_batch_size=16"]
+NET = "--model.init_args.net.init_args"
+# family -> (study arguments, arguments of every fit)
+TINY = {
+    "nice": (["--seeds", "0,1", "--set", "exact_sm_images=4"],
+             [f"{NET}.hidden=12", f"{NET}.n_layers=3", f"{NET}.n_couplings=2", "--data.init_args.batch_size=16",
+              *MNIST_SUBSETS]),
+    "dkef": (["--seeds", "0", "--groups", "redwine", "--set", "log_z_samples=2000"],
+             [f"{NET}.n_centres=8", f"{NET}.hidden=6", f"{NET}.deep_layers=4", "--model.init_args.alpha_points=40",
+              "--model.init_args.log_z_samples=2000", "--model.init_args.log_z_chunk=500",
+              "--model.init_args.final_lambda_steps=2", "--model.init_args.exact_sm_batches=1"]),
+    "vae": (["--seeds", "0", "--set", "ais_images=4", "--set", "ais_steps=3",
+             "--set", "ais_chains=2"],
+            [f"{NET}.z_dim=3", f"{NET}.hidden=16", "--model.init_args.val_ais_steps=3",
+             "--data.init_args.batch_size=16", *MNIST_SUBSETS]),
+    "ncsn": (["--seeds", "0", "--set", "samples=4", "--set", "reference=6"],
+             [f"{NET}.ngf=4", "--model.init_args.n_levels=3", "--model.init_args.sampler.init_args.n_steps_each=1",
+              "--data.init_args.batch_size=8", "--data.init_args.num_workers=0", *MNIST_SUBSETS]),
+}
+LOGGED = {"nice": ("log_likelihood", "bits_per_dim", "exact_sm"), "dkef": ("log_likelihood", "log_z_ess", "exact_sm"),
+          "vae": ("ais_log_likelihood",), "ncsn": ()}
 
 
-def test_study_table_matches_the_runs_and_recorded_units_are_not_run_again(tmp_path, monkeypatch):
-    args = ["--epochs", "1", "--variants", "explicit_ssm,deq_ssm", "--seeds", "0,1", "--runs-root",
-            str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--extra", *TINY]
-    rows = study.main(args)
-    doc = json.loads((tmp_path / "out" / "nice_study.json").read_text())
-    expected = [("explicit_ssm", 0), ("explicit_ssm", 1), ("deq_ssm", 0), ("deq_ssm", 1)]
-    assert [(r["variant"], r["seed"]) for r in doc["rows"]] == expected == [(r["variant"], r["seed"]) for r in rows]
-    md = (tmp_path / "out" / "nice_study.md").read_text()
-    for row in rows:
-        assert f"| {row['variant']} | {row['seed']} | 1 (2) |" in md
-        series = read_metrics_csv(tmp_path / "runs" / f"{row['variant']}_s{row['seed']}" / "metrics.csv")
-        for key in ("log_likelihood", "bits_per_dim", "exact_sm"):
-            assert row[key] == pytest.approx(series[f"test/{key}"][-1][1])
-        assert row["parameters"] == series["run/parameters"][-1][1]
-    # the seed reaches the run: different initial weights, different test figures
-    assert rows[0]["log_likelihood"] != rows[1]["log_likelihood"]
-    # the summary: mean and standard error over the seeds, from the rows
-    summary = {s["variant"]: s for s in doc["summary"]}
-    a, b = (r["bits_per_dim"] for r in rows[:2])
-    assert summary["explicit_ssm"]["bits_per_dim"]["mean"] == pytest.approx((a + b) / 2)
-    assert summary["explicit_ssm"]["bits_per_dim"]["stderr"] == pytest.approx(abs(a - b) / 2)
-    # the DEQ m-net has two hidden 12x12 layers where the 3-layer explicit one has one
-    assert rows[2]["parameters"] - rows[0]["parameters"] == 2 * (12 * 12 + 12)
+def run_study(tmp_path, name: str, *more: str) -> dict:
+    family = FAMILIES[name]
+    options, fit = TINY[name]
+    return study.main(["--family", name, "--budget", str(2 / family.iterations), "--runs-root",
+                       str(tmp_path / "runs"), "--out", str(tmp_path / "out"), *options, *more,
+                       "--extra", *QUIET, *fit])
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_family_study_records_what_its_runs_logged_skips_recorded_units_and_writes_the_page(
+        tmp_path, monkeypatch, name):
+    family = FAMILIES[name]
+    units = run_study(tmp_path, name)[name]
+    seeds = [int(s) for s in TINY[name][0][1].split(",")]
+    group = next(iter(family.groups)) if name != "dkef" else "redwine"
+    assert [(u["group"], u["variant"], u["seed"]) for u in units] == [
+        (group, v, s) for s in seeds for v in family.variants]
+    for unit in units:
+        variant = family.variants[unit["variant"]]
+        path = core.unit_path(tmp_path / "out", name, group, unit["variant"], unit["seed"])
+        assert json.loads(path.read_text()) == unit
+        assert unit["family"] == name and unit["device"].startswith("cpu") and unit["settings"]["iterations"] == 2
+        value, run = unit["value"], tmp_path / "runs" / name / group / f"{unit['variant']}_s{unit['seed']}"
+        series = read_metrics_csv(run / "metrics.csv") if variant.trained else {}  # untrained: nothing logged
+        # trained for the budget (the implicit VAE: 3 optimiser steps per iteration); untrained: not at all
+        steps = 2 * variant.steps_per_iteration if variant.trained else 0
+        assert value["optimiser_steps"] == steps and value["iterations"] == (2 if variant.trained else 0)
+        if variant.trained:
+            assert value["parameters"] == series["run/parameters"][-1][1]
+            assert value["activation_memory_mb"] == series["run/activation_memory_mb"][-1][1]
+        for key in LOGGED[name]:
+            assert value["metrics"][key] == pytest.approx(series[f"test/{key}"][-1][1])
+        if name == "ncsn":  # the unit holds the scores of the samples sample.py drew
+            report = json.loads((run / "samples" / "fid.json").read_text())
+            assert (value["metrics"]["kid"], value["metrics"]["fid"]) == (report["kid"], report["fid"])
+            assert report["num_samples"] == 4 and "(6 images)" in report["reference"]
+        if name == "vae":  # the ELBO only for the Gaussian encoder: the implicit one has none
+            assert ("elbo" in value["metrics"]) == (variant.role == "classical")
+        assert (value["solver_iterations"] is not None) == ("deq" in variant.role)  # explicit nets have no solver
+        assert path.with_suffix(".png").exists() == (name != "dkef")  # the sample grid of an image family
+    # the seed reaches the run
+    if len(seeds) > 1:
+        first = [u for u in units if u["variant"] == "deq"]
+        assert first[0]["value"]["metrics"]["log_likelihood"] != first[1]["value"]["metrics"]["log_likelihood"]
     # a second call reads every unit back: nothing is trained again
-    monkeypatch.setattr(study, "run_variant", lambda *a, **k: pytest.fail("a recorded unit was run again"))
-    assert study.main(args) == rows
+    monkeypatch.setattr(core, "train_and_evaluate", lambda *a, **k: pytest.fail("a recorded unit was run again"))
+    assert run_study(tmp_path, name)[name] == units
+    # the page, from the unit files alone
+    page = tmp_path / "results.md"
+    study.main(["--report", "--out", str(tmp_path / "out"), "--page", str(page)])
+    text = page.read_text()
+    metric = family.metrics[0].key
+    for unit in units[: len(family.variants)]:
+        values = [u["value"]["metrics"][metric] for u in units if u["variant"] == unit["variant"]]
+        mean = sum(values) / len(values)
+        spread = sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1) / len(values)
+        cell = fmt(mean) + ("" if len(values) == 1 else f" ± {fmt(math.sqrt(spread))}")
+        role = family.variants[unit["variant"]].role
+        assert f"| {group} | {unit['variant']} | {role} | {len(values)} | {cell} |" in text
+    for figure in (f"curves_{group}.png", "quality_vs_memory.png"):
+        assert (tmp_path / "out" / name / figure).exists() and f"{name}/{figure})" in text
+    assert f"--budget {2 / family.iterations}`" in text
 
 
-def test_unknown_variant_is_refused(tmp_path, capsys):
+def test_the_verdict_follows_the_protocol_rule(tmp_path):
+    """The DEQ against the shallow net, judged from hand-made unit files: better, within one standard error of the
+    difference, and worse by more."""
+    family = FAMILIES["nice"]
+
+    def write(variant: str, values: list[float]) -> None:
+        for seed, v in enumerate(values):
+            unit = {"family": "nice", "group": "mnist", "variant": variant, "seed": seed, "device": "cpu: test",
+                    "settings": {"budget": 1.0, "iterations": 4, "evaluation": {}, "extra": []},
+                    "value": {"iterations": 4, "optimiser_steps": 4, "curves": {}, "activation_memory_mb": 10.0,
+                              "parameters": 5, "metrics": {"bits_per_dim": v}}}
+            path = core.unit_path(tmp_path, "nice", "mnist", variant, seed)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(unit))
+
+    page = tmp_path / "results.md"
+    write("explicit", [5.0, 5.2, 5.4])  # mean 5.2, standard error 0.1155
+    for deq, expected in (([5.0, 5.1, 5.2], "better than the shallow explicit network's by 0.100 ± 0.129"),
+                          ([5.2, 5.3, 5.4], "worse than the shallow explicit network's by 0.100 ± 0.129"),
+                          ([5.3, 5.4, 5.5], "worse than the shallow explicit network's by 0.200 ± 0.129")):
+        write("deq", deq)
+        study.main(["--report", "--out", str(tmp_path), "--page", str(page)])
+        text = page.read_text()
+        assert expected in text, text
+        holds = deq[1] <= 5.2 + math.hypot(0.2 / math.sqrt(3), 0.1 / math.sqrt(3))
+        assert ("the claim holds here" in text) == holds and ("does not hold" in text) == (not holds)
+    assert family.metrics[0].label in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--family", "nce"], "--family: unknown ['nce']"),
+    (["--family", "ncsn", "--set", "steps=3"], "--set steps=3: unknown key 'steps'"),
+    (["--family", "nice", "--variants", "deq,deq_full"], "--variants: unknown ['deq_full']"),
+    (["--family", "nice", "--budget", "0"], "--budget: a positive fraction"),
+    ([], "name the families to run"),
+])
+def test_usage_errors_name_the_option_and_the_choices(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit):
-        study.main(["--variants", "deq_nce", "--out", str(tmp_path)])
-    assert "unknown variants ['deq_nce']" in capsys.readouterr().err
-
-
-def test_ncsn_study_reports_what_its_runs_logged_and_scored(tmp_path):
-    from deqscore.bench import ncsn_study
-
-    rows = ncsn_study.main([
-        "--steps", "2", "--ngf", "4", "--batch", "16", "--langevin-steps", "1", "--samples", "4", "--sample-batch", "4",
-        "--reference", "6", "--runs-root", str(tmp_path / "runs"), "--out", str(tmp_path / "out"),
-        "--stats-root", str(tmp_path / "stats"), "--extra", "--data.init_args.train_subset=48",
-        "--data.init_args.val_subset=16", "--data.init_args.eval_batch_size=16"])
-    assert [r["variant"] for r in rows] == ["deq", "explicit"]
-    for row in rows:
-        run = tmp_path / "runs" / f"ncsn_{row['variant']}"
-        report = json.loads((run / "samples" / "fid.json").read_text())
-        series = read_metrics_csv(run / "metrics.csv")
-        assert row["steps"] == 2 and row["fid"] == report["fid"] > 0 and row["fid_samples"] == 4
-        assert row["parameters"] == series["run/parameters"][-1][1]
-        assert row["val_loss"] == pytest.approx(series["val/loss"][-1][1])
-    md = (tmp_path / "out" / "ncsn_mnist_study.md").read_text()
-    assert "mnist train (6 images)" in md and f"{rows[0]['fid']:.2f}" in md
+        study.main([*args, "--out", str(tmp_path)])
+    assert message in capsys.readouterr().err

@@ -9,7 +9,7 @@ from deqscore.deq import DEQ
 from deqscore.errors import ConfigError
 from deqscore.losses import denoising_score_matching, exact_score_matching, sliced_score_matching
 from deqscore.models import DKEF
-from deqscore.models.dkef import DKEFDEQMap
+from deqscore.models.dkef import DKEFDEQMap, ImportanceProposal, effective_sample_size
 
 NETS = ("shallow", "deep", "deq")
 OBJECTIVES = ("exact", "sliced", "sliced_vr", "dsm")
@@ -322,6 +322,46 @@ def test_log_partition_stderr_matches_spread():
     estimates, stderrs = torch.tensor([r[0] for r in runs]), torch.tensor([r[1] for r in runs])
     ratio = estimates.std().item() / stderrs.mean().item()
     assert 0.6 < ratio < 1.6, ratio
+
+
+def test_mixture_proposal_is_a_density_and_draws_from_it():
+    points = torch.tensor([[3.0, -1.0], [-2.0, 4.0], [0.5, 0.5]], dtype=F64)
+    q = ImportanceProposal(2, 2.0, points)
+    grid = torch.linspace(-16, 16, 641, dtype=F64)
+    dens = q.log_prob(torch.cartesian_prod(grid, grid)).exp().view(641, 641)
+    dx = (grid[1] - grid[0]).item()
+    assert torch.trapezoid(torch.trapezoid(dens, dx=dx, dim=1), dx=dx).item() == pytest.approx(1.0, abs=1e-6)
+    x = q.draw(200_000, torch.Generator().manual_seed(0), F64, torch.device("cpu"))
+    # closed-form moments of the mixture: E x = mean(points) / 2, E |x|^2 = (D std^2 + mean |p|^2 + D h^2) / 2
+    h2 = q.bandwidth**2
+    mean = points.mean(0) / 2
+    second = (2 * 4.0 + points.pow(2).sum(1).mean() + 2 * h2) / 2
+    assert torch.allclose(x.mean(0), mean, atol=4 * x.std(0).max().item() / math.sqrt(len(x)))
+    sq = x.pow(2).sum(1)
+    assert abs(sq.mean() - second) < 4 * sq.std() / math.sqrt(len(x))
+
+
+def test_mixture_proposal_gives_log_z_with_more_effective_draws():
+    # alpha = 0 and a narrow base N(0, 0.3^2 I) in 5-D: Z in closed form, and the broad N(0, 4 I) rarely draws there
+    dim, std, n = 5, 0.3, 20_000
+    model = _model(dim=dim, n_centres=4, q0_std=std)
+    truth = 0.5 * dim * math.log(2 * math.pi * std**2)
+    points = std * torch.randn(200, dim, dtype=F64, generator=torch.Generator().manual_seed(1))  # "training data"
+    with pytest.warns(RuntimeWarning, match="effective sample size"):
+        broad = model.log_partition(n_samples=n, chunk=5000, generator=torch.Generator().manual_seed(3))
+    mixed = model.log_partition(n_samples=n, chunk=5000, generator=torch.Generator().manual_seed(3),
+                                proposal_points=points)
+    assert abs(mixed[0] - truth) < 3 * mixed[1] < 0.1
+    assert effective_sample_size(broad[1], n) < 100 < 500 < effective_sample_size(mixed[1], n)
+    # independent of the chunk, as the broad proposal
+    parts = model.log_partition(n_samples=n, chunk=777, generator=torch.Generator().manual_seed(3),
+                                proposal_points=points)
+    assert parts[0] == pytest.approx(mixed[0], abs=1e-12)
+
+
+def test_mixture_proposal_refuses_points_of_another_dimension():
+    with pytest.raises(ValueError, match=r"proposal_points: expected \[n >= 1, 2\]"):
+        _bumpy_2d_model().log_partition(n_samples=10, proposal_points=torch.zeros(4, 3, dtype=F64))
 
 
 def test_log_partition_warns_on_few_effective_samples():

@@ -1,0 +1,177 @@
+"""The study's machinery, the same for every family: what a family declares (:class:`Family`), one unit of work
+(train one variant at one seed with the family's budget, then evaluate it: :func:`run_unit`), and the per-variant
+mean and standard error over seeds (:func:`summarise`).
+
+A unit is recorded as ``<out>/<family>/<group>/<variant>_s<seed>.json`` with the family, group (data set),
+variant, seed, the device and the settings (budget, iterations, evaluation sizes, extra arguments); a unit already
+recorded with the same settings is read back and not run again (:func:`deqscore.bench.units.recorded`). Image
+families also leave the unit's sample grid beside it (``<variant>_s<seed>.png``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...lightning.callbacks import read_metrics_csv
+from ..units import mean_stderr, recorded
+
+ROOT = Path(__file__).resolve().parents[3]
+VALIDATIONS = 4  # validations per run (the validation curve's points); the last one is at the end of training
+CURVE_POINTS = 60  # points kept of each training curve in a unit file
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One network of a family: its config (relative to the repository root) and overrides."""
+
+    config: str
+    role: str  # "shallow", "deep", "deq", "deq_reference", "classical" (another model class) or "untrained"
+    overrides: tuple[str, ...] = ()
+    steps_per_iteration: int = 1  # optimiser steps per training iteration (the implicit VAE: 2 score + 1)
+    trained: bool = True  # False: the network at initialisation, through the same evaluation
+
+
+@dataclass(frozen=True)
+class Metric:
+    key: str  # in a unit's metrics
+    label: str
+    higher_is_better: bool
+
+
+# (run directory, checkpoint to evaluate, variant, seed, evaluation settings) -> metrics; may leave samples.png
+Evaluate = Callable[[Path, Path, Variant, int, dict], dict]
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a family brings to the study. ``iterations`` is the training length at ``--budget 1``; every variant
+    gets the same iterations, ``fit_options`` and evaluation. ``metrics[0]`` is the quality the claim is judged
+    on. ``groups`` are the data sets, each with its fit overrides."""
+
+    name: str
+    title: str
+    setting: str  # the page's description of data, budget and evaluation
+    iterations: int
+    variants: dict[str, Variant]
+    metrics: tuple[Metric, ...]
+    evaluate: Evaluate
+    evaluation: dict[str, int] = field(default_factory=dict)  # sizes of the evaluation (overridable: --set)
+    fit_options: tuple[str, ...] = ()
+    groups: dict[str, tuple[str, ...]] = field(default_factory=lambda: {"mnist": ()})
+
+    def iterations_at(self, budget: float) -> int:
+        return max(1, round(self.iterations * budget))
+
+
+def unit_path(out: Path, family: str, group: str, variant: str, seed: int) -> Path:
+    return out / family / group / f"{variant}_s{seed}.json"
+
+
+def run_unit(family: Family, group: str, name: str, seed: int, budget: float, runs_root: Path, out: Path,
+             extra: list[str], evaluation: dict, device: str) -> dict:
+    """The unit of (``group``, ``name``, ``seed``): read back from its file when recorded with the same settings,
+    else trained, evaluated and recorded."""
+    iterations = family.iterations_at(budget)
+    settings = {"budget": budget, "iterations": iterations, "evaluation": evaluation, "extra": list(extra)}
+    path = unit_path(out, family.name, group, name, seed)
+
+    def compute() -> dict:
+        run_dir = runs_root / family.name / group / f"{name}_s{seed}"
+        result = train_and_evaluate(family, group, name, seed, iterations, run_dir, extra, evaluation)
+        grid = run_dir / "samples" / "samples.png"
+        if grid.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(grid, path.with_suffix(".png"))
+        return result
+
+    recorded(path, settings, compute, family=family.name, group=group, variant=name, seed=seed, device=device)
+    return json.loads(path.read_text())  # the unit as recorded: facts, settings and value
+
+
+def train_and_evaluate(family: Family, group: str, name: str, seed: int, iterations: int, run_dir: Path,
+                       extra: list[str], evaluation: dict) -> dict:
+    """``train.py fit`` of one variant at ``seed`` for ``iterations`` (none for an untrained variant), then the
+    family's evaluation of its final weights: the run facts, the curves and the metrics."""
+    from ...cli.train import main as train
+    from ...lightning.runs import move_aside
+
+    warnings.filterwarnings("ignore", "LightningCLI's args parameter is intended")  # CLI calls from Python
+    variant = family.variants[name]
+    if run_dir.exists():  # left by an interrupted unit: kept aside, never written into
+        print(f"moved the unfinished run {run_dir} to {move_aside(run_dir)}")
+    iterations = iterations if variant.trained else 0
+    arguments = [f"--seed_everything={seed}", f"--trainer.max_steps={iterations * variant.steps_per_iteration}",
+                 "--trainer.max_epochs=-1", f"--trainer.val_check_interval={max(1, iterations // VALIDATIONS)}",
+                 "--trainer.check_val_every_n_epoch=null", "--trainer.enable_progress_bar=false",
+                 *family.fit_options, *family.groups[group], *variant.overrides, *extra]
+    start = time.perf_counter()
+    fit = train(["fit", f"--config={ROOT / variant.config}", f"--run_name={run_dir.name}",
+                 f"--runs_root={run_dir.parent}", *arguments])
+    fit_seconds = time.perf_counter() - start
+    checkpoint = run_dir / "checkpoints" / "final.ckpt"  # a family's closing stage (DKEF) ends in final.ckpt
+    if not checkpoint.exists():
+        checkpoint = run_dir / "checkpoints" / "study_last.ckpt"  # the weights at the end of training
+        fit.trainer.save_checkpoint(checkpoint)
+    logged = run_dir / "metrics.csv"  # an untrained run logs nothing
+    series = read_metrics_csv(logged) if logged.exists() else {}
+    return {"config": variant.config, "arguments": arguments, "iterations": iterations,
+            "optimiser_steps": fit.trainer.global_step, **run_facts(series),
+            "seconds_per_iteration": fit_seconds / iterations if iterations else None,
+            "evaluated": checkpoint.name, "curves": curves(series),
+            "metrics": family.evaluate(run_dir, checkpoint, variant, seed, evaluation)}
+
+
+def run_facts(series: dict[str, list[tuple[int, float]]]) -> dict[str, Any]:
+    """Parameters, activation memory of one training step, and the DEQ solver's statistics over training (mean
+    forward iterations, last relative residual, fraction of IFT backward solves that missed their tolerance);
+    None where the run logged none (an explicit network has no solver)."""
+
+    def last(key: str) -> float | None:
+        return series[key][-1][1] if series.get(key) else None
+
+    nstep = [v for _, v in series.get("train/deq/nstep", [])]
+    parameters = last("run/parameters")
+    return {"parameters": None if parameters is None else int(parameters),
+            "activation_memory_mb": last("run/activation_memory_mb"),
+            "solver_iterations": sum(nstep) / len(nstep) if nstep else None,
+            "solver_rel_residual": last("train/deq/rel_residual"),
+            "ift_backward_failures": last("train/deq/ift_backward_failures")}
+
+
+def curves(series: dict[str, list[tuple[int, float]]]) -> dict[str, list[tuple[int, float]]]:
+    """The training and validation loss against the step, the training one thinned to :data:`CURVE_POINTS`."""
+    out = {}
+    for key in ("train/loss", "val/loss"):
+        points = series.get(key, [])
+        stride = max(1, len(points) // CURVE_POINTS)
+        out[key] = points[::stride]
+    return out
+
+
+def summarise(units: list[dict], keys: list[str]) -> list[dict]:
+    """Per (group, variant), in the order first met: the seeds and the mean and standard error over them of each
+    of ``keys`` (looked up in the unit's metrics, then its run facts); a key a unit lacks is left out."""
+    out = []
+    for group, name in dict.fromkeys((u["group"], u["variant"]) for u in units):
+        runs = [u for u in units if (u["group"], u["variant"]) == (group, name)]
+        summary: dict[str, Any] = {"group": group, "variant": name, "seeds": [u["seed"] for u in runs]}
+        for key in keys:
+            values = [value_of(u, key) for u in runs]
+            values = [v for v in values if v is not None]
+            if values:
+                mean, stderr = mean_stderr(values)
+                summary[key] = {"mean": mean, "stderr": stderr, "n": len(values)}
+        out.append(summary)
+    return out
+
+
+def value_of(unit: dict, key: str) -> Any:
+    value = unit["value"]
+    return value["metrics"].get(key, value.get(key))
