@@ -72,8 +72,12 @@ def compare(family: Family, summaries: dict[str, dict], a: str, b: str) -> dict 
     sa, sb = summaries[a][key], summaries[b][key]
     sign = 1.0 if family.metrics[0].higher_is_better else -1.0
     diff = sign * (sa["mean"] - sb["mean"])
-    se = math.sqrt((sa["stderr"] or 0.0) ** 2 + (sb["stderr"] or 0.0) ** 2) if sa["stderr"] is not None else None
+    se = None if sa["stderr"] is None or sb["stderr"] is None else math.hypot(sa["stderr"], sb["stderr"])
     return {"diff": diff, "stderr": se, "holds": diff >= 0 or (se is not None and diff >= -se)}
+
+
+def better_or_worse(comparison: dict) -> str:
+    return "better" if comparison["diff"] >= 0 else "worse"
 
 
 def variant_of_role(family: Family, role: str) -> str | None:
@@ -88,20 +92,18 @@ def verdict(family: Family, group: str, summaries: dict[str, dict]) -> str:
     vs_shallow = compare(family, summaries, deq, shallow)
     if vs_shallow is None:
         return f"{group}: not enough runs recorded to compare the DEQ with the shallow network."
-    word = "better than" if vs_shallow["diff"] >= 0 else "worse than"
     if vs_shallow["stderr"] is None:
-        se, judged = " (one seed: no standard error)", "holds" if vs_shallow["holds"] else "cannot be judged"
+        se, judged = " (a single seed on one side: no standard error)", "holds" if vs_shallow["holds"] else "cannot be judged"
     else:
-        se, judged = f" ± {fmt(vs_shallow['stderr'])}", "holds" if vs_shallow["holds"] else "does not hold"
-    parts.append(f"On {group}, the DEQ's {metric.label} is {word} the shallow explicit network's by "
-                 f"{fmt(abs(vs_shallow['diff']))}{se} (difference of means ± its standard error): the claim "
-                 f"{judged} here.")
+        se = f" ± {fmt(vs_shallow['stderr'])} (difference of means ± its standard error)"
+        judged = "holds" if vs_shallow["holds"] else "does not hold"
+    parts.append(f"On {group}, the DEQ's {metric.label} is {better_or_worse(vs_shallow)} than the shallow explicit "
+                 f"network's by {fmt(abs(vs_shallow['diff']))}{se}: the claim {judged} here.")
     vs_deep = compare(family, summaries, deq, deep)
     if vs_deep is not None:
-        word = "better than" if vs_deep["diff"] >= 0 else "worse than"
         se = "" if vs_deep["stderr"] is None else f" ± {fmt(vs_deep['stderr'])}"
-        gap = fmt(abs(vs_deep["diff"]))
-        parts.append(f"Against the deep explicit network it is {word} by {gap}{se}.")
+        parts.append(f"Against the deep explicit network it is {better_or_worse(vs_deep)} by "
+                     f"{fmt(abs(vs_deep['diff']))}{se}.")
     memory = {name: summaries.get(name, {}).get("activation_memory_mb", {}).get("mean")
               for name in (deq, shallow, deep)}
     if memory[deq] and memory[shallow]:
@@ -212,7 +214,10 @@ def family_section(family: Family, units: list[dict], out: Path, page: Path) -> 
                      f"{mean_cell(s, 'seconds_per_iteration', 3)} | {mean_cell(s, 'solver_iterations', 1)} | "
                      f"{mean_cell(s, 'ift_backward_failures', 2)} |")
     lines += ["", "Mean ± standard error over the seeds; – where a variant has no such figure (an explicit network "
-              "has no solver; the IFT column only where the backward is the IFT).", ""]
+              "has no solver; the IFT column only where the backward is the IFT). Activation memory: the tensors "
+              "one training step saves for backward. s / iteration: wall clock of `train.py fit` over its "
+              "iterations, validation and checkpointing included (DKEF: also its closing stage), on a machine "
+              "shared with other jobs: a rough figure; the benchmarks measure speed.", ""]
     lines += per_run_table(family, units)
     figures = out / family.name
     for group in family.groups:
