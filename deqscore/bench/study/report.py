@@ -150,7 +150,8 @@ def plot_curves(family: Family, units: list[dict], group: str, path: Path) -> No
         ax.set_title(f"{family.title}, {group}: {key}")
         ax.set_xlabel("training iteration")
         ax.set_yscale("symlog")
-    axes[0].legend(fontsize=7)
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -178,7 +179,8 @@ def plot_quality_memory(family: Family, summaries: list[dict], path: Path) -> No
         ax.set_xlabel("activation memory per step (MiB)")
         ax.set_ylabel(f"{metric.label} ({'higher' if metric.higher_is_better else 'lower'} is better)")
         ax.set_title(f"{family.title}: {group}")
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -235,20 +237,25 @@ def family_section(family: Family, units: list[dict], out: Path, page: Path) -> 
 
 
 def per_run_table(family: Family, units: list[dict]) -> list[str]:
-    """Every run: its metrics and solver facts (and, for DKEF, the reliability of its log Z)."""
+    """Every run: its metrics (with their own spread where the metric has one, e.g. KID's standard deviation over
+    subsets) and solver facts; a log Z resting on fewer than :data:`ESS_RELIABLE` effective draws is flagged."""
     keys = [m.key for m in family.metrics]
-    extra = ["log_z_ess"] if family.name == "dkef" else []
     lines = ["<details><summary>Every run</summary>", "",
              "| data | variant | seed | " + " | ".join(keys + ["solver iterations", "final rel. residual"]) + " |",
              "|" + "---|" * (5 + len(keys))]
     for u in units:
-        cells = [fmt(value_of(u, k)) for k in keys]
-        ess = value_of(u, "log_z_ess") if extra else None
+        cells = [fmt(value_of(u, k)) + spread(u, k) for k in keys]
+        ess = value_of(u, "log_z_ess")
         if ess is not None and ess < ESS_RELIABLE:
             cells[0] += " (unreliable: ESS < 100)"
         lines.append(f"| {u['group']} | {u['variant']} | {u['seed']} | {' | '.join(cells)} | "
                      f"{fmt(value_of(u, 'solver_iterations'), 1)} | {fmt(value_of(u, 'solver_rel_residual'))} |")
     return lines + ["", "</details>", ""]
+
+
+def spread(unit: dict, key: str) -> str:
+    std = value_of(unit, f"{key}_std")
+    return "" if std is None else f" ± {fmt(std)}"
 
 
 def sample_grids(family: Family, units: list[dict], out: Path, rel) -> list[str]:
