@@ -84,31 +84,47 @@ def variant_of_role(family: Family, role: str) -> str | None:
     return next((name for name, v in family.variants.items() if v.role == role), None)
 
 
+def claim(family: Family, summaries: dict[str, dict]) -> dict | None:
+    """The protocol's comparisons on one data set: the DEQ against the shallow and the deep explicit networks on
+    the family's first metric, whether the claim holds (None: not judged, a single seed on one side), and the
+    DEQ's activation memory as a fraction of theirs; None when the DEQ or the shallow network has no run."""
+    deq, shallow, deep = (variant_of_role(family, r) for r in ("deq", "shallow", "deep"))
+    vs_shallow = compare(family, summaries, deq, shallow)
+    if vs_shallow is None:
+        return None
+    memory = {name: summaries.get(name, {}).get("activation_memory_mb", {}).get("mean")
+              for name in (deq, shallow, deep)}
+    ratio = {name: memory[deq] / memory[name] if memory[deq] and memory[name] else None for name in (shallow, deep)}
+    judged = vs_shallow["holds"] if vs_shallow["holds"] or vs_shallow["stderr"] is not None else None
+    return {"vs_shallow": vs_shallow, "vs_deep": compare(family, summaries, deq, deep), "holds": judged,
+            "memory_vs_shallow": ratio[shallow], "memory_vs_deep": ratio[deep],
+            "seeds": (len(summaries[deq]["seeds"]), len(summaries[shallow]["seeds"]))}
+
+
+def judged_word(result: dict) -> str:
+    return {True: "holds", False: "does not hold", None: "cannot be judged"}[result["holds"]]
+
+
 def verdict(family: Family, group: str, summaries: dict[str, dict]) -> str:
     """The paragraph answering the paper's question for one data set, from the numbers alone."""
     metric = family.metrics[0]
-    deq, shallow, deep = (variant_of_role(family, r) for r in ("deq", "shallow", "deep"))
-    parts = []
-    vs_shallow = compare(family, summaries, deq, shallow)
-    if vs_shallow is None:
+    result = claim(family, summaries)
+    if result is None:
         return f"{group}: not enough runs recorded to compare the DEQ with the shallow network."
+    vs_shallow, vs_deep = result["vs_shallow"], result["vs_deep"]
     if vs_shallow["stderr"] is None:
-        se, judged = " (a single seed on one side: no standard error)", "holds" if vs_shallow["holds"] else "cannot be judged"
+        se = " (a single seed on one side: no standard error)"
     else:
         se = f" ± {fmt(vs_shallow['stderr'])} (difference of means ± its standard error)"
-        judged = "holds" if vs_shallow["holds"] else "does not hold"
-    parts.append(f"On {group}, the DEQ's {metric.label} is {better_or_worse(vs_shallow)} than the shallow explicit "
-                 f"network's by {fmt(abs(vs_shallow['diff']))}{se}: the claim {judged} here.")
-    vs_deep = compare(family, summaries, deq, deep)
+    parts = [f"On {group}, the DEQ's {metric.label} is {better_or_worse(vs_shallow)} than the shallow explicit "
+             f"network's by {fmt(abs(vs_shallow['diff']))}{se}: the claim {judged_word(result)} here."]
     if vs_deep is not None:
         se = "" if vs_deep["stderr"] is None else f" ± {fmt(vs_deep['stderr'])}"
         parts.append(f"Against the deep explicit network it is {better_or_worse(vs_deep)} by "
                      f"{fmt(abs(vs_deep['diff']))}{se}.")
-    memory = {name: summaries.get(name, {}).get("activation_memory_mb", {}).get("mean")
-              for name in (deq, shallow, deep)}
-    if memory[deq] and memory[shallow]:
-        deep_ratio = f" and {memory[deq] / memory[deep]:.2f} x the deep one's" if memory[deep] else ""
-        parts.append(f"Its activation memory per step is {memory[deq] / memory[shallow]:.2f} x the shallow "
+    if result["memory_vs_shallow"] is not None:
+        deep_ratio = "" if result["memory_vs_deep"] is None else f" and {result['memory_vs_deep']:.2f} x the deep one's"
+        parts.append(f"Its activation memory per step is {result['memory_vs_shallow']:.2f} x the shallow "
                      f"network's{deep_ratio}.")
     untrained = variant_of_role(family, "untrained")
     if untrained in summaries and metric.key in summaries[untrained]:
@@ -186,11 +202,11 @@ def plot_quality_memory(family: Family, summaries: list[dict], path: Path) -> No
     plt.close(fig)
 
 
-def family_section(family: Family, units: list[dict], out: Path, page: Path) -> list[str]:
-    """The page's section of one family (figures written under ``out/<family>/``)."""
+def family_section(family: Family, units: list[dict], out: Path, page: Path) -> tuple[list[str], list[str]]:
+    """The page's section of one family (figures written under ``out/<family>/``) and its rows of the summary."""
     if not units:
         return [f"## {family.title}", "", f"No runs recorded yet: `python -m deqscore.bench.study --family "
-                f"{family.name} --seeds 0,1,2`.", ""]
+                f"{family.name} --seeds 0,1,2`.", ""], [f"| {family.title} | – | no runs yet | | | | |"]
     rel = lambda p: Path(os.path.relpath(p, page.parent)).as_posix()  # noqa: E731
     settings = units[0]["settings"]
     keys = [m.key for m in family.metrics] + list(FACTS)
@@ -233,7 +249,19 @@ def family_section(family: Family, units: list[dict], out: Path, page: Path) -> 
     for s in summaries:
         by_group.setdefault(s["group"], {})[s["variant"]] = s
     lines += ["**What the measurements say.** " + " ".join(verdict(family, g, v) for g, v in by_group.items()), ""]
-    return lines
+    return lines, [summary_row(family, group, summaries) for group, summaries in by_group.items()]
+
+
+def summary_row(family: Family, group: str, summaries: dict[str, dict]) -> str:
+    result = claim(family, summaries)
+    if result is None:
+        return f"| {family.title} | {group} | not enough runs | | | | |"
+    diff = result["vs_shallow"]
+    cell = f"{diff['diff']:+.3g}" + ("" if diff["stderr"] is None else f" ± {diff['stderr']:.2g}")
+    ratio = lambda r: "–" if r is None else f"{r:.2f}"  # noqa: E731
+    return (f"| {family.title} | {group} | {family.metrics[0].label} | {result['seeds'][0]} / {result['seeds'][1]} | "
+            f"{cell} | **{judged_word(result)}** | {ratio(result['memory_vs_shallow'])} / "
+            f"{ratio(result['memory_vs_deep'])} |")
 
 
 def per_run_table(family: Family, units: list[dict]) -> list[str]:
@@ -281,8 +309,14 @@ def write_page(out: Path, page: Path, families: list[Family]) -> str:
              "speed and memory: [benchmarks.md](benchmarks.md). The question, from the paper: at the same budget, "
              "does a DEQ score network reach the quality of an explicit one, and how close does it come to a "
              "deeper explicit one, at what memory?", "", "## Protocol", "", PROTOCOL]
+    sections, rows = [], []
     for family in families:
-        lines += family_section(family, load_units(out, family), out, page)
+        section, family_rows = family_section(family, load_units(out, family), out, page)
+        sections += section
+        rows += family_rows
+    lines += ["## Summary", "",
+              "| family | data | metric | seeds (DEQ / shallow) | DEQ - shallow (positive: DEQ better) | the claim | "
+              "DEQ memory / shallow, / deep |", "|---|---|---|---|---|---|---|", *rows, "", *sections]
     lines += ["## Memory against depth", "",
               "Explicit stacks of each family's own DEQ block against the DEQ (`python -m deqscore.bench --sections "
               "depth`); see [benchmarks.md](benchmarks.md#memory-against-depth-per-family).", ""]
