@@ -57,8 +57,10 @@ def test_a_family_study_records_what_its_runs_logged_skips_recorded_units_and_wr
     for unit in units:
         variant = family.variants[unit["variant"]]
         path = core.unit_path(tmp_path / "out", name, group, unit["variant"], unit["seed"])
-        assert json.loads(path.read_text()) == unit
+        assert set(json.loads(path.read_text())) == {"family", "group", "variant", "seed", "device", "settings",
+                                                     "value"}
         assert unit["family"] == name and unit["device"].startswith("cpu") and unit["settings"]["iterations"] == 2
+        assert unit["settings"]["budget"] == 2 / family.iterations
         value, run = unit["value"], tmp_path / "runs" / name / group / f"{unit['variant']}_s{unit['seed']}"
         series = read_metrics_csv(run / "metrics.csv") if variant.trained else {}  # untrained: nothing logged
         # trained for the budget (the implicit VAE: 3 optimiser steps per iteration); untrained: not at all
@@ -101,6 +103,36 @@ def test_a_family_study_records_what_its_runs_logged_skips_recorded_units_and_wr
     assert f"--budget {2 / family.iterations}`" in text
 
 
+def write_unit(out, family: str, group: str, variant: str, seed: int, metrics: dict) -> None:
+    unit = {"family": family, "group": group, "variant": variant, "seed": seed, "device": "cpu: test",
+            "settings": {"budget": 1.0, "iterations": 4, "evaluation": {}, "extra": []},
+            "value": {"iterations": 4, "optimiser_steps": 4, "curves": {}, "activation_memory_mb": 10.0,
+                      "parameters": 5, "metrics": metrics}}
+    path = core.unit_path(out, family, group, variant, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(unit))
+
+
+def test_the_verdict_of_a_higher_is_better_metric_a_single_seed_and_an_unreliable_log_z(tmp_path):
+    page = tmp_path / "results.md"
+    for seed, (shallow, deq) in enumerate([(-1.0, -0.9), (-1.2, -1.0), (-1.1, -0.8)]):
+        write_unit(tmp_path, "dkef", "redwine", "explicit", seed, {"log_likelihood": shallow, "log_z_ess": 500.0})
+        write_unit(tmp_path, "dkef", "redwine", "deq", seed, {"log_likelihood": deq, "log_z_ess": 50.0 + seed * 100})
+    write_unit(tmp_path, "dkef", "whitewine", "explicit", 0, {"log_likelihood": -2.0})
+    write_unit(tmp_path, "dkef", "whitewine", "deq", 0, {"log_likelihood": -2.5})
+    study.main(["--report", "--out", str(tmp_path), "--page", str(page)])
+    text = page.read_text()
+    # redwine: DEQ mean -0.9 against -1.1, higher is better: better by 0.2, the claim holds
+    assert "On redwine, the DEQ's test log-lik. (nats / point) is better than the shallow explicit network's by " \
+           "0.200 ±" in text and "the claim holds here" in text
+    assert "| DKEF on UCI data | redwine | test log-lik. (nats / point) | 3 / 3 | +0.2 ±" in text
+    # whitewine: one seed each, worse: not judged
+    assert "worse than the shallow explicit network's by 0.500 (a single seed on one side" in text
+    assert "**cannot be judged**" in text
+    # one of the DEQ's three log Z estimates rests on fewer than 100 effective draws
+    assert "| redwine | deq | deq | 3 | -0.900 ± 0.058 (1 of 3 with ESS < 100: unreliable) |" in text
+
+
 def test_the_verdict_follows_the_protocol_rule(tmp_path):
     """The DEQ against the shallow net, judged from hand-made unit files: better, within one standard error of the
     difference, and worse by more."""
@@ -108,13 +140,7 @@ def test_the_verdict_follows_the_protocol_rule(tmp_path):
 
     def write(variant: str, values: list[float]) -> None:
         for seed, v in enumerate(values):
-            unit = {"family": "nice", "group": "mnist", "variant": variant, "seed": seed, "device": "cpu: test",
-                    "settings": {"budget": 1.0, "iterations": 4, "evaluation": {}, "extra": []},
-                    "value": {"iterations": 4, "optimiser_steps": 4, "curves": {}, "activation_memory_mb": 10.0,
-                              "parameters": 5, "metrics": {"bits_per_dim": v}}}
-            path = core.unit_path(tmp_path, "nice", "mnist", variant, seed)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(unit))
+            write_unit(tmp_path, "nice", "mnist", variant, seed, {"bits_per_dim": v})
 
     page = tmp_path / "results.md"
     write("explicit", [5.0, 5.2, 5.4])  # mean 5.2, standard error 0.1155
@@ -135,9 +161,14 @@ def test_the_verdict_follows_the_protocol_rule(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--family", "nce"], "--family: unknown ['nce']"),
-    (["--family", "ncsn", "--set", "steps=3"], "--set steps=3: unknown key 'steps'"),
+    (["--family", "ncsn", "--set", "steps=3"], "--set steps=3: expected KEY=VALUE with KEY one of ais_chains"),
     (["--family", "nice", "--variants", "deq,deq_full"], "--variants: unknown ['deq_full']"),
     (["--family", "nice", "--budget", "0"], "--budget: a positive fraction"),
+    (["--family", "nice", "--budget", "inf"], "--budget: a positive fraction"),
+    (["--family", "ncsn", "--set", "samples=many"], "--set samples=many: samples takes a int, got 'many'"),
+    (["--family", "ncsn", "--set", "samples"], "--set samples: expected KEY=VALUE"),
+    (["--family", "nice", "--seeds", ","], "--seeds takes comma-separated integers"),
+    (["--family", "dkef,nice", "--groups", "redwine"], "--groups: unknown ['redwine']; choose from mnist"),
     ([], "name the families to run"),
 ])
 def test_usage_errors_name_the_option_and_the_choices(tmp_path, capsys, args, message):

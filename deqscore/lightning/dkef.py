@@ -76,7 +76,7 @@ class DKEFModule(ScoreModule):
         alpha_points: int = 1000,  # training points alpha is refreshed from after every step
         log_z_samples: int = 250_000,  # importance samples of log Z at each validation
         final_log_z_samples: int = 1_000_000,  # ... at test time
-        log_z_chunk: int = 10_000,  # samples per chunk (memory: chunk x centres)
+        log_z_chunk: int = 10_000,  # samples per chunk (memory: chunk x centres; mixture: also x training points)
         final_lambda_steps: int = 1000,  # Adam steps on log_lambda alone at the end of fit (0: none)
         final_lambda_lr: float = 1e-3,  # their learning rate
         exact_sm_batches: int = -1,  # val/test batches on which exact SM is computed (-1: all)

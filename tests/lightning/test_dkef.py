@@ -157,3 +157,15 @@ def test_a_graph_free_alpha_system_is_accumulated_over_chunks(monkeypatch):
     chunked = module.alpha_system(x, create_graph=False)
     for a, b in zip(whole, chunked, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_an_unknown_log_z_proposal_is_refused_with_the_choices():
+    from deqscore.errors import ConfigError
+    from deqscore.models import DKEF
+
+    with pytest.raises(ConfigError, match="log_z_proposal: expected one of gaussian, mixture, got 'kde'"):
+        dkef_module.DKEFModule(DKEF(dim=3, n_centres=4, hidden=5), log_z_proposal="kde")
+    with pytest.raises(ConfigError, match="(?s)log_z_proposal.*'gaussian', 'mixture'.*kde"):  # from a config
+        build_module({"class_path": "deqscore.lightning.DKEFModule", "init_args": {
+            "net": {"class_path": "deqscore.models.DKEF", "init_args": {"dim": 3, "n_centres": 4, "hidden": 5}},
+            "log_z_proposal": "kde"}})

@@ -9,17 +9,20 @@ Run::
     python -m deqscore.bench.study --report                                 # docs/results.md from the unit files
 
 Each (family, data set, variant, seed) is one unit: ``train.py fit`` of the variant's config with the family's
-shared options and ``--trainer.max_steps`` of ``budget x`` the family's iterations (run directory
+shared options for ``budget x`` the family's training iterations (run directory
 ``<runs-root>/<family>/<data>/<variant>_s<seed>``), then the family's evaluation of its final weights (see
 :mod:`deqscore.bench.study.families`), recorded as ``<out>/<family>/<data>/<variant>_s<seed>.json``. A unit already
 recorded with the same settings is read back instead of run again, so a study longer than one sitting continues
-where it stopped (a run directory left by an interrupted unit is moved aside). ``--set key=value`` changes an
-evaluation size (e.g. ``--set samples=2000`` for NCSN); ``--extra`` passes arguments to every fit.
+where it stopped (a run directory left by an interrupted unit is moved aside). A unit file holds one budget: a
+unit recorded with other settings (budget, evaluation sizes, ``--extra``) is run again and replaced, so keep
+studies at two budgets under two ``--out`` and ``--runs-root``. ``--set key=value`` changes an evaluation size
+(e.g. ``--set samples=2000`` for NCSN; this re-runs the units); ``--extra`` passes arguments to every fit.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 import torch
@@ -43,15 +46,37 @@ def chosen(parser: argparse.ArgumentParser, key: str, text: str, known: dict | l
 
 def evaluation_of(parser: argparse.ArgumentParser, family: Family, pairs: list[str]) -> dict:
     """The family's evaluation sizes with the ``key=value`` changes of ``--set`` that name one of them."""
+    known = sorted({k for f in FAMILIES.values() for k in f.evaluation})
     evaluation = dict(family.evaluation)
     for pair in pairs:
-        key, _, value = pair.partition("=")
-        if key not in {k for f in FAMILIES.values() for k in f.evaluation}:
-            known = sorted({k for f in FAMILIES.values() for k in f.evaluation})
-            parser.error(f"--set {pair}: unknown key {key!r}; choose from {', '.join(known)}")
+        key, equals, value = pair.partition("=")
+        if key not in known or not equals:
+            parser.error(f"--set {pair}: expected KEY=VALUE with KEY one of {', '.join(known)}")
         if key in evaluation:
-            evaluation[key] = type(evaluation[key])(value)
+            try:
+                evaluation[key] = type(evaluation[key])(value)
+            except ValueError:
+                parser.error(f"--set {pair}: {key} takes a {type(evaluation[key]).__name__}, got {value!r}")
     return evaluation
+
+
+Plan = list[tuple[Family, list[str], list[str], dict]]  # (family, groups, variants, evaluation)
+
+
+def plan_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Plan:
+    """What to run, every option checked before anything runs (an error names the option and the choices)."""
+    names = list(FAMILIES) if args.family == "all" else (
+        chosen(parser, "--family", args.family, FAMILIES) if args.family else [])
+    if not (math.isfinite(args.budget) and args.budget > 0):
+        parser.error(f"--budget: a positive fraction of the default, got {args.budget}")
+    plan = []
+    for name in names:
+        family = FAMILIES[name]
+        variants = chosen(parser, "--variants", args.variants, family.variants) if args.variants else \
+            list(family.variants)
+        groups = chosen(parser, "--groups", args.groups, family.groups) if args.groups else list(family.groups)
+        plan.append((family, groups, variants, evaluation_of(parser, family, args.set)))
+    return plan
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
@@ -70,25 +95,20 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
     args = parser.parse_args(argv)
     if not args.family and not args.report:
         parser.error("--family: name the families to run (or 'all'), or give --report")
-    names = list(FAMILIES) if args.family == "all" else chosen(parser, "--family", args.family, FAMILIES) \
-        if args.family else []
-    if not args.budget > 0:
-        parser.error(f"--budget: a positive fraction of the default, got {args.budget}")
+    plan = plan_of(parser, args)
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s]
     except ValueError:
+        seeds = []
+    if not seeds:
         parser.error(f"--seeds takes comma-separated integers, got {args.seeds!r}")
     out = Path(args.out)
     device = environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))["device"]
-    results = {}
-    for name in names:
-        family = FAMILIES[name]
-        variants = chosen(parser, "--variants", args.variants, family.variants) if args.variants else family.variants
-        groups = chosen(parser, "--groups", args.groups, family.groups) if args.groups else family.groups
-        evaluation = evaluation_of(parser, family, args.set)
-        results[name] = [run_unit(family, group, variant, seed, args.budget, Path(args.runs_root), out, args.extra,
-                                  evaluation, device)
-                         for group in groups for seed in seeds for variant in variants]  # seed by seed
+    results = {
+        family.name: [run_unit(family, group, variant, seed, args.budget, Path(args.runs_root), out, args.extra,
+                               evaluation, device)
+                      for group in groups for seed in seeds for variant in variants]  # seed by seed
+        for family, groups, variants, evaluation in plan}
     if args.report:
         print(write_page(out, Path(args.page), list(FAMILIES.values())))
     return results

@@ -104,8 +104,8 @@ def train_and_evaluate(family: Family, group: str, name: str, seed: int, iterati
 
     warnings.filterwarnings("ignore", "LightningCLI's args parameter is intended")  # CLI calls from Python
     variant = family.variants[name]
-    if run_dir.exists():  # left by an interrupted unit: kept aside, never written into
-        print(f"moved the unfinished run {run_dir} to {move_aside(run_dir)}")
+    if run_dir.exists():  # left by an interrupted unit or one of other settings: kept aside, never written into
+        print(f"moved the earlier run {run_dir} aside to {move_aside(run_dir)}")
     iterations = iterations if variant.trained else 0
     arguments = [f"--seed_everything={seed}", f"--trainer.max_steps={iterations * variant.steps_per_iteration}",
                  "--trainer.max_epochs=-1", f"--trainer.val_check_interval={max(1, iterations // VALIDATIONS)}",
@@ -115,6 +115,10 @@ def train_and_evaluate(family: Family, group: str, name: str, seed: int, iterati
     fit = train(["fit", f"--config={ROOT / variant.config}", f"--run_name={run_dir.name}",
                  f"--runs_root={run_dir.parent}", *arguments])
     fit_seconds = time.perf_counter() - start
+    if fit.trainer.global_step != iterations * variant.steps_per_iteration:  # e.g. --extra changed score_updates
+        raise RuntimeError(f"{family.name} {name}: {fit.trainer.global_step} optimiser steps where the budget is "
+                           f"{iterations} iterations of {variant.steps_per_iteration}; the variant's "
+                           "steps_per_iteration does not match its module")
     checkpoint = run_dir / "checkpoints" / "final.ckpt"  # a family's closing stage (DKEF) ends in final.ckpt
     if not checkpoint.exists():
         checkpoint = run_dir / "checkpoints" / "study_last.ckpt"  # the weights at the end of training

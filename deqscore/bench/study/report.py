@@ -13,7 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..units import mean_stderr
-from .core import Family, summarise, value_of
+from .core import ROOT, Family, summarise, value_of
 
 FACTS = ("parameters", "activation_memory_mb", "seconds_per_iteration", "solver_iterations", "solver_rel_residual",
          "ift_backward_failures")
@@ -22,7 +22,8 @@ ESS_RELIABLE = 100  # effective draws below which an importance-sampling estimat
 PROTOCOL = """\
 The comparisons were fixed before any test metric was seen, and no variant was tuned after one was. Every family:
 seeds 0, 1, 2; one budget for all variants of a family (iterations, batch, learning rate, data as in the family's
-configs); the final weights (the averaged ones where the family keeps an average) scored on the test split;
+configs); the final weights (the averaged ones where the family keeps an average; DKEF: the model of its closing
+stage, from the best validation weights) scored on the test split;
 mean and standard error over seeds in every table; parameters, activation memory of one step, seconds per
 training iteration, the device, the solver's mean iterations and final residual, and the fraction of backward
 solves that missed their tolerance beside every run.
@@ -34,17 +35,18 @@ log-likelihood, and a DKEF run whose log Z rests on fewer than 100 effective dra
 """
 
 
-def load_units(out: Path, family: Family) -> list[dict]:
-    """The family's recorded units, in the family's group and variant order, then by seed; of several budgets,
-    only the units of the most common settings (a table never mixes budgets)."""
+def load_units(out: Path, family: Family) -> tuple[list[dict], int]:
+    """The family's recorded units, in the family's group and variant order, then by seed, and how many were left
+    out: of several settings (budgets), only the units of the most common are kept (a table never mixes them)."""
     units = [json.loads(p.read_text()) for p in sorted((out / family.name).glob("*/*.json"))]
     units = [u for u in units if u["group"] in family.groups and u["variant"] in family.variants]
     if not units:
-        return []
+        return [], 0
     common, _ = Counter(json.dumps(u["settings"], sort_keys=True) for u in units).most_common(1)[0]
-    units = [u for u in units if json.dumps(u["settings"], sort_keys=True) == common]
+    kept = [u for u in units if json.dumps(u["settings"], sort_keys=True) == common]
     groups, variants = list(family.groups), list(family.variants)
-    return sorted(units, key=lambda u: (groups.index(u["group"]), variants.index(u["variant"]), u["seed"]))
+    kept.sort(key=lambda u: (groups.index(u["group"]), variants.index(u["variant"]), u["seed"]))
+    return kept, len(units) - len(kept)
 
 
 def fmt(value: float | None, digits: int = 3) -> str:
@@ -131,22 +133,32 @@ def verdict(family: Family, group: str, summaries: dict[str, dict]) -> str:
         trained = [s for name, s in summaries.items() if name != untrained and metric.key in s]
         best = (max if metric.higher_is_better else min)(trained, key=lambda s: s[metric.key]["mean"])
         gap = compare(family, summaries, best["variant"], untrained)
-        learnt = gap["holds"] and gap["diff"] > 3 * (gap["stderr"] or math.inf)
+        if gap["stderr"] is None:
+            judged = "a single seed on one side, so whether the variants learnt something cannot be judged."
+        elif gap["diff"] > 3 * gap["stderr"]:
+            judged = "better by more than three standard errors, so the variants are compared after they learnt " \
+                     "something."
+        else:
+            judged = "not clearly better, so this comparison is between networks that are still noise and says " \
+                     "nothing about the claim."
         parts.append(f"The best trained variant ({best['variant']}, {mean_cell(best, metric.key)}) against the "
-                     f"untrained network ({mean_cell(summaries[untrained], metric.key)}): "
-                     + ("better by more than three standard errors, so the variants are compared after they learnt "
-                        "something." if learnt else "not clearly better, so this comparison is between networks "
-                        "that are still noise and says nothing about the claim."))
+                     f"untrained network ({mean_cell(summaries[untrained], metric.key)}): {judged}")
     return " ".join(parts)
 
 
-def plot_curves(family: Family, units: list[dict], group: str, path: Path) -> None:
-    """Training and validation loss against the training iteration, mean over seeds with a standard-error band."""
+def pyplot():
+    """matplotlib's pyplot on the file-only backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_curves(family: Family, units: list[dict], group: str, path: Path) -> None:
+    """Training and validation loss against the training iteration, mean over seeds with a standard-error band."""
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for ax, key in zip(axes, ("train/loss", "val/loss"), strict=True):
         for name, variant in family.variants.items():
@@ -176,11 +188,7 @@ def plot_curves(family: Family, units: list[dict], group: str, path: Path) -> No
 def plot_quality_memory(family: Family, summaries: list[dict], path: Path) -> None:
     """The family's first metric against activation memory per step: one point per variant with its standard
     error, one panel per data set."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     metric = family.metrics[0]
     groups = list(dict.fromkeys(s["group"] for s in summaries))
     fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)
@@ -202,12 +210,13 @@ def plot_quality_memory(family: Family, summaries: list[dict], path: Path) -> No
     plt.close(fig)
 
 
-def family_section(family: Family, units: list[dict], out: Path, page: Path) -> tuple[list[str], list[str]]:
+def family_section(family: Family, units: list[dict], out: Path, page: Path,
+                   left_out: int = 0) -> tuple[list[str], list[str]]:
     """The page's section of one family (figures written under ``out/<family>/``) and its rows of the summary."""
     if not units:
         return [f"## {family.title}", "", f"No runs recorded yet: `python -m deqscore.bench.study --family "
                 f"{family.name} --seeds 0,1,2`.", ""], [f"| {family.title} | – | no runs yet | | | | |"]
-    rel = lambda p: Path(os.path.relpath(p, page.parent)).as_posix()  # noqa: E731
+    rel = lambda p: relative(p, page)  # noqa: E731
     settings = units[0]["settings"]
     keys = [m.key for m in family.metrics] + list(FACTS)
     summaries = summarise(units, keys)
@@ -218,7 +227,8 @@ def family_section(family: Family, units: list[dict], out: Path, page: Path) -> 
              + (f"; extra arguments `{' '.join(settings['extra'])}`" if settings["extra"] else ""),
              f"* **device**: {', '.join(devices)}",
              f"* **command**: `python -m deqscore.bench.study --family {family.name} --seeds "
-             f"{','.join(map(str, sorted({u['seed'] for u in units})))} --budget {settings['budget']}`", ""]
+             f"{','.join(map(str, sorted({u['seed'] for u in units})))} --budget {settings['budget']}`",
+             *([f"* **left out**: {left_out} unit files recorded with other settings"] if left_out else []), ""]
     header = [m.label for m in family.metrics]
     lines += ["| data | variant | role | seeds | " + " | ".join(header) + " | parameters | activation memory (MiB) "
               "| s / iteration | solver iterations | IFT misses |",
@@ -226,6 +236,10 @@ def family_section(family: Family, units: list[dict], out: Path, page: Path) -> 
     for s in summaries:
         variant = family.variants[s["variant"]]
         cells = [mean_cell(s, m.key) for m in family.metrics]
+        unreliable = sum(1 for u in units if (u["group"], u["variant"]) == (s["group"], s["variant"])
+                         and (value_of(u, "log_z_ess") or math.inf) < ESS_RELIABLE)
+        if unreliable:
+            cells[0] += f" ({unreliable} of {len(s['seeds'])} with ESS < {ESS_RELIABLE}: unreliable)"
         params = s.get("parameters", {}).get("mean")
         lines.append(f"| {s['group']} | {s['variant']} | {variant.role} | {len(s['seeds'])} | {' | '.join(cells)} | "
                      f"{'–' if params is None else f'{params:,.0f}'} | {mean_cell(s, 'activation_memory_mb', 2)} | "
@@ -311,7 +325,8 @@ def write_page(out: Path, page: Path, families: list[Family]) -> str:
              "deeper explicit one, at what memory?", "", "## Protocol", "", PROTOCOL]
     sections, rows = [], []
     for family in families:
-        section, family_rows = family_section(family, load_units(out, family), out, page)
+        units, left_out = load_units(out, family)
+        section, family_rows = family_section(family, units, out, page, left_out)
         sections += section
         rows += family_rows
     lines += ["## Summary", "",
@@ -321,7 +336,7 @@ def write_page(out: Path, page: Path, families: list[Family]) -> str:
               "Explicit stacks of each family's own DEQ block against the DEQ (`python -m deqscore.bench --sections "
               "depth`); see [benchmarks.md](benchmarks.md#memory-against-depth-per-family).", ""]
     depth = out.parent / "depth"
-    lines += [f"![depth: {p.stem}]({Path(os.path.relpath(p, page.parent)).as_posix()})"
+    lines += [f"![depth: {p.stem}]({relative(p, page)})"
               for p in sorted(depth.glob("depth_*.png"))]
     text = "\n".join(lines).rstrip() + "\n"
     page.parent.mkdir(parents=True, exist_ok=True)
@@ -329,9 +344,12 @@ def write_page(out: Path, page: Path, families: list[Family]) -> str:
     return text
 
 
-def rel_to_root(path: Path) -> str:
-    from .core import ROOT
+def relative(path: Path, page: Path) -> str:
+    """``path`` as a link from ``page``."""
+    return Path(os.path.relpath(path, page.parent)).as_posix()
 
+
+def rel_to_root(path: Path) -> str:
     try:
         return path.resolve().relative_to(ROOT).as_posix()
     except ValueError:
