@@ -120,6 +120,8 @@ def test_the_verdict_of_a_higher_is_better_metric_a_single_seed_and_an_unreliabl
         write_unit(tmp_path, "dkef", "redwine", "deq", seed, {"log_likelihood": deq, "log_z_ess": 50.0 + seed * 100})
     write_unit(tmp_path, "dkef", "whitewine", "explicit", 0, {"log_likelihood": -2.0})
     write_unit(tmp_path, "dkef", "whitewine", "deq", 0, {"log_likelihood": -2.5})
+    write_unit(tmp_path, "dkef", "parkinsons", "explicit", 0, {"log_likelihood": -3.0})
+    write_unit(tmp_path, "dkef", "parkinsons", "deq", 0, {"log_likelihood": -2.0})
     study.main(["--report", "--out", str(tmp_path), "--page", str(page)])
     text = page.read_text()
     # redwine: DEQ mean -0.9 against -1.1, higher is better: better by 0.2, the claim holds
@@ -128,7 +130,10 @@ def test_the_verdict_of_a_higher_is_better_metric_a_single_seed_and_an_unreliabl
     assert "| DKEF on UCI data | redwine | test log-lik. (nats / point) | 3 / 3 | +0.2 ±" in text
     # whitewine: one seed each, worse: not judged
     assert "worse than the shallow explicit network's by 0.500 (a single seed on one side" in text
-    assert "**cannot be judged**" in text
+    row = "| DKEF on UCI data | {} | test log-lik. (nats / point) | 1 / 1 | {} | **cannot be judged** |"
+    assert row.format("whitewine", "-0.5") in text
+    # parkinsons: one seed each, better, but the noise is unknown: not judged either
+    assert row.format("parkinsons", "+1") in text
     # one of the DEQ's three log Z estimates rests on fewer than 100 effective draws
     assert "| redwine | deq | deq | 3 | -0.900 ± 0.058 (1 of 3 with ESS < 100: unreliable) |" in text
 

@@ -88,7 +88,7 @@ def variant_of_role(family: Family, role: str) -> str | None:
 
 def claim(family: Family, summaries: dict[str, dict]) -> dict | None:
     """The protocol's comparisons on one data set: the DEQ against the shallow and the deep explicit networks on
-    the family's first metric, whether the claim holds (None: not judged, a single seed on one side), and the
+    the family's first metric, whether the claim holds (None: not judged, a single seed on a side), and the
     DEQ's activation memory as a fraction of theirs; None when the DEQ or the shallow network has no run."""
     deq, shallow, deep = (variant_of_role(family, r) for r in ("deq", "shallow", "deep"))
     vs_shallow = compare(family, summaries, deq, shallow)
@@ -97,7 +97,7 @@ def claim(family: Family, summaries: dict[str, dict]) -> dict | None:
     memory = {name: summaries.get(name, {}).get("activation_memory_mb", {}).get("mean")
               for name in (deq, shallow, deep)}
     ratio = {name: memory[deq] / memory[name] if memory[deq] and memory[name] else None for name in (shallow, deep)}
-    judged = vs_shallow["holds"] if vs_shallow["holds"] or vs_shallow["stderr"] is not None else None
+    judged = None if vs_shallow["stderr"] is None else vs_shallow["holds"]  # one seed: better or not, noise unknown
     return {"vs_shallow": vs_shallow, "vs_deep": compare(family, summaries, deq, deep), "holds": judged,
             "memory_vs_shallow": ratio[shallow], "memory_vs_deep": ratio[deep],
             "seeds": (len(summaries[deq]["seeds"]), len(summaries[shallow]["seeds"]))}
