@@ -180,3 +180,28 @@ def test_usage_errors_name_the_option_and_the_choices(tmp_path, capsys, args, me
     with pytest.raises(SystemExit):
         study.main([*args, "--out", str(tmp_path)])
     assert message in capsys.readouterr().err
+
+
+def test_the_untrained_network_tells_whether_the_variants_learnt_something(tmp_path):
+    """NCSN's best trained variant against the untrained network: more than three standard errors apart, or not;
+    said also when the DEQ has no run yet."""
+    page = tmp_path / "results.md"
+
+    def write(variant: str, values: list[float]) -> None:
+        for seed, v in enumerate(values):
+            write_unit(tmp_path, "ncsn", "mnist", variant, seed, {"kid": v})
+
+    write("untrained", [0.50, 0.52, 0.54])  # mean 0.52, standard error 0.0115
+    write("explicit", [0.40, 0.42, 0.44])  # 0.10 better: 6 standard errors of the difference (0.0163)
+    study.main(["--report", "--out", str(tmp_path), "--page", str(page)])
+    text = page.read_text()
+    assert "mnist: not enough runs recorded to compare the DEQ" in text
+    assert "The best trained variant (explicit, 0.420 ± 0.012) against the untrained network (0.520 ± 0.012): " \
+           "better by more than three standard errors" in text
+    write("explicit", [0.46, 0.48, 0.50])  # 0.04 better: 2.4 standard errors, still noise
+    write("deq", [0.47, 0.49, 0.51])
+    study.main(["--report", "--out", str(tmp_path), "--page", str(page)])
+    text = page.read_text()
+    assert "The best trained variant (explicit, 0.480 ± 0.012) against the untrained network (0.520 ± 0.012): " \
+           "not clearly better, so this comparison is between networks that are still noise" in text
+    assert "the claim holds here" in text  # the DEQ is within one standard error: the rule applies all the same

@@ -112,7 +112,8 @@ def verdict(family: Family, group: str, summaries: dict[str, dict]) -> str:
     metric = family.metrics[0]
     result = claim(family, summaries)
     if result is None:
-        return f"{group}: not enough runs recorded to compare the DEQ with the shallow network."
+        return " ".join([f"{group}: not enough runs recorded to compare the DEQ with the shallow network.",
+                         *untrained_check(family, summaries)])
     vs_shallow, vs_deep = result["vs_shallow"], result["vs_deep"]
     if vs_shallow["stderr"] is None:
         se = " (a single seed on one side: no standard error)"
@@ -128,22 +129,29 @@ def verdict(family: Family, group: str, summaries: dict[str, dict]) -> str:
         deep_ratio = "" if result["memory_vs_deep"] is None else f" and {result['memory_vs_deep']:.2f} x the deep one's"
         parts.append(f"Its activation memory per step is {result['memory_vs_shallow']:.2f} x the shallow "
                      f"network's{deep_ratio}.")
+    return " ".join([*parts, *untrained_check(family, summaries)])
+
+
+def untrained_check(family: Family, summaries: dict[str, dict]) -> list[str]:
+    """Whether the best trained variant is clearly better than the untrained network (where the family has one):
+    without that, a comparison of the variants is one between networks that are still noise."""
+    metric = family.metrics[0]
     untrained = variant_of_role(family, "untrained")
-    if untrained in summaries and metric.key in summaries[untrained]:
-        trained = [s for name, s in summaries.items() if name != untrained and metric.key in s]
-        best = (max if metric.higher_is_better else min)(trained, key=lambda s: s[metric.key]["mean"])
-        gap = compare(family, summaries, best["variant"], untrained)
-        if gap["stderr"] is None:
-            judged = "a single seed on one side, so whether the variants learnt something cannot be judged."
-        elif gap["diff"] > 3 * gap["stderr"]:
-            judged = "better by more than three standard errors, so the variants are compared after they learnt " \
-                     "something."
-        else:
-            judged = "not clearly better, so this comparison is between networks that are still noise and says " \
-                     "nothing about the claim."
-        parts.append(f"The best trained variant ({best['variant']}, {mean_cell(best, metric.key)}) against the "
-                     f"untrained network ({mean_cell(summaries[untrained], metric.key)}): {judged}")
-    return " ".join(parts)
+    trained = [s for name, s in summaries.items() if name != untrained and metric.key in s]
+    if untrained not in summaries or metric.key not in summaries[untrained] or not trained:
+        return []
+    best = (max if metric.higher_is_better else min)(trained, key=lambda s: s[metric.key]["mean"])
+    gap = compare(family, summaries, best["variant"], untrained)
+    if gap["stderr"] is None:
+        judged = "a single seed on one side, so whether the variants learnt something cannot be judged."
+    elif gap["diff"] > 3 * gap["stderr"]:
+        judged = "better by more than three standard errors, so the variants are compared after they learnt " \
+                 "something."
+    else:
+        judged = "not clearly better, so this comparison is between networks that are still noise and says " \
+                 "nothing about the claim."
+    return [f"The best trained variant ({best['variant']}, {mean_cell(best, metric.key)}) against the "
+            f"untrained network ({mean_cell(summaries[untrained], metric.key)}): {judged}"]
 
 
 def pyplot():
