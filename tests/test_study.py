@@ -162,6 +162,7 @@ def test_the_verdict_follows_the_protocol_rule(tmp_path):
         gap = -(sum(deq) / 3 - 5.2)  # lower bits/dim is better
         assert f"| NICE on MNIST | mnist | test bits/dim | 3 / 3 | {gap:+.3g} ± 0.13 | **{word}** |" in text
     assert family.metrics[0].label in text
+    assert f"* **context (not comparable)**: {family.context}" in text  # NICE quotes a published figure
 
 
 @pytest.mark.parametrize("args, message", [

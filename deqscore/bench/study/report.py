@@ -236,6 +236,7 @@ def family_section(family: Family, units: list[dict], out: Path, page: Path,
              f"* **device**: {', '.join(devices)}",
              f"* **command**: `python -m deqscore.bench.study --family {family.name} --seeds "
              f"{','.join(map(str, sorted({u['seed'] for u in units})))} --budget {settings['budget']}`",
+             *([f"* **context (not comparable)**: {family.context}"] if family.context else []),
              *([f"* **left out**: {left_out} unit files recorded with other settings"] if left_out else []), ""]
     header = [m.label for m in family.metrics]
     lines += ["| data | variant | role | seeds | " + " | ".join(header) + " | parameters | activation memory (MiB) "
