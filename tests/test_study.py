@@ -173,6 +173,8 @@ def test_the_verdict_follows_the_protocol_rule(tmp_path):
     (["--family", "nice", "--budget", "inf"], "--budget: a positive fraction"),
     (["--family", "ncsn", "--set", "samples=many"], "--set samples=many: samples takes a int, got 'many'"),
     (["--family", "ncsn", "--set", "samples"], "--set samples: expected KEY=VALUE"),
+    (["--family", "ncsn", "--set", "weights=ema"], "--set weights=ema: weights takes one of trained, averaged"),
+    (["--family", "dkef", "--set", "log_z_proposal=flow"], "log_z_proposal takes one of gaussian, mixture"),
     (["--family", "nice", "--seeds", ","], "--seeds takes comma-separated integers"),
     (["--family", "dkef,nice", "--groups", "redwine"], "--groups: unknown ['redwine']; choose from mnist"),
     ([], "name the families to run"),
@@ -206,3 +208,25 @@ def test_the_untrained_network_tells_whether_the_variants_learnt_something(tmp_p
     assert "The best trained variant (explicit, 0.480 ± 0.012) against the untrained network (0.520 ± 0.012): " \
            "not clearly better, so this comparison is between networks that are still noise" in text
     assert "the claim holds here" in text  # the DEQ is within one standard error: the rule applies all the same
+
+
+@pytest.mark.parametrize("weights, raw", [("trained", True), ("averaged", False)])
+def test_ncsn_samples_from_the_weights_its_evaluation_names(tmp_path, monkeypatch, weights, raw):
+    """At the study's budgets the EMA average is still mostly the initial weights: ``weights=trained`` (the default)
+    must reach ``sample.py`` as ``--raw-weights``."""
+    from deqscore.bench.study import families
+
+    passed = []
+
+    def draw(checkpoint, out, n, seed, options=()):
+        passed.extend(options)
+        out.mkdir(parents=True)
+        (out / "fid.json").write_text(json.dumps({"kid": 0.1, "kid_std": 0.01, "kid_subset_size": 4, "fid": 9.0,
+                                                  "num_samples": n, "reference": "r"}))
+
+    monkeypatch.setattr(families, "draw_samples", draw)
+    run = tmp_path / "runs" / "ncsn" / "mnist" / "deq_s0"
+    evaluation = families.NCSN.evaluation | {"weights": weights}
+    families.evaluate_ncsn(run, run / "last.ckpt", families.NCSN.variants["deq"], 0, evaluation)
+    assert ("--raw-weights" in passed) == raw
+    assert families.NCSN.evaluation["weights"] == "trained"

@@ -57,6 +57,9 @@ def evaluation_of(parser: argparse.ArgumentParser, family: Family, pairs: list[s
                 evaluation[key] = type(evaluation[key])(value)
             except ValueError:
                 parser.error(f"--set {pair}: {key} takes a {type(evaluation[key]).__name__}, got {value!r}")
+            accepted = family.choices.get(key)
+            if accepted is not None and evaluation[key] not in accepted:
+                parser.error(f"--set {pair}: {key} takes one of {', '.join(accepted)}")
     return evaluation
 
 

@@ -65,6 +65,7 @@ class Family:
     evaluation: dict[str, int] = field(default_factory=dict)  # sizes of the evaluation (overridable: --set)
     fit_options: tuple[str, ...] = ()
     groups: dict[str, tuple[str, ...]] = field(default_factory=lambda: {"mnist": ()})
+    choices: dict[str, tuple[str, ...]] = field(default_factory=dict)  # the accepted values of a text evaluation key
     context: str = ""  # a published figure for orientation, and why the study's numbers are not comparable to it
 
     def iterations_at(self, budget: float) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ...lightning.dkef import LOG_Z_PROPOSALS
 from ..dkef import data_root
 from .core import Family, Metric, Variant
 
@@ -100,6 +101,7 @@ DKEF = Family(
              Metric("log_z_ess", "ESS of log Z", True)),
     evaluate=evaluate_dkef,
     evaluation={"log_z_samples": 1_000_000, "log_z_proposal": "mixture"},
+    choices={"log_z_proposal": LOG_Z_PROPOSALS},
     fit_options=("--model.init_args.log_z_samples=20000",),  # validation's log Z: the curve, not the result
     groups={name: (f"--data.init_args.dataset={name}", f"--data.init_args.root={data_root()}")
             for name in ("redwine", "whitewine", "parkinsons")},
@@ -144,8 +146,9 @@ VAE = Family(
 # ----------------------------------------------------------------------------------------------------- NCSN
 def evaluate_ncsn(run_dir: Path, checkpoint: Path, variant: Variant, seed: int, evaluation: dict) -> dict:
     out = run_dir / "samples"
+    weights = ["--raw-weights"] if evaluation["weights"] == "trained" else []
     draw_samples(checkpoint, out, evaluation["samples"], seed,
-                 ["--batch-size", "250", "--fid", "--reference-images", str(evaluation["reference"]),
+                 ["--batch-size", "250", *weights, "--fid", "--reference-images", str(evaluation["reference"]),
                   "--stats-root", str(run_dir.parents[2] / "fid_stats")])  # <runs-root>/fid_stats
     report = json.loads((out / "fid.json").read_text())
     return {"kid": report["kid"], "kid_std": report["kid_std"], "kid_subset_size": report["kid_subset_size"],
@@ -156,10 +159,12 @@ NCSN = Family(
     name="ncsn",
     title="NCSN on MNIST",
     setting=("MNIST pixels in [0, 1], annealed DSM over 10 noise levels (1 to 0.01), base width 32, batch 64, Adam "
-             "1e-3, EMA 0.999; samples by annealed Langevin dynamics (5 steps per level, final denoising step) "
-             "from the averaged weights. KID (mean and standard deviation over 100 subsets) and FID@N of the same "
-             "N samples against the Inception features of the first MNIST training images; the untrained row is "
-             "the DEQ network at initialisation, through the same sampling and scoring."),
+             "1e-3; samples by annealed Langevin dynamics (5 steps per level, final denoising step) from the "
+             "trained weights: the configs' EMA 0.999 averages over about 1,000 steps, more than these runs train, "
+             "so its average would still be mostly the initial weights (`--set weights=averaged` samples from it). "
+             "KID (mean and standard deviation over 100 subsets) and FID@N of the same N samples against the "
+             "Inception features of the first MNIST training images; the untrained row is the DEQ network at "
+             "initialisation, through the same sampling and scoring."),
     iterations=600,
     variants={
         "explicit": Variant("configs/ncsn/explicit_mnist.yaml", "shallow"),
@@ -171,7 +176,8 @@ NCSN = Family(
     },
     metrics=(Metric("kid", "KID", False), Metric("fid", "FID@N", False)),
     evaluate=evaluate_ncsn,
-    evaluation={"samples": 1000, "reference": 5000},
+    evaluation={"samples": 1000, "reference": 5000, "weights": "trained"},
+    choices={"weights": ("trained", "averaged")},
     fit_options=("--model.init_args.net.init_args.ngf=32", "--data.init_args.batch_size=64",
                  "--model.init_args.sampler.init_args.n_steps_each=5", "--trainer.limit_val_batches=4"),
 )
