@@ -145,8 +145,8 @@ def untrained_check(family: Family, summaries: dict[str, dict]) -> list[str]:
     if gap["stderr"] is None:
         judged = "a single seed on one side, so whether the variants learnt something cannot be judged."
     elif gap["diff"] > 3 * gap["stderr"]:
-        judged = "better by more than three standard errors, so the variants are compared after they learnt " \
-                 "something."
+        judged = "better by more than three standard errors: the variants learnt something measurable, which is " \
+                 "not to say their samples look like the data (see the grids)."
     else:
         judged = "not clearly better, so this comparison is between networks that are still noise and says " \
                  "nothing about the claim."
