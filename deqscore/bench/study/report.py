@@ -98,6 +98,8 @@ def claim(family: Family, summaries: dict[str, dict]) -> dict | None:
               for name in (deq, shallow, deep)}
     ratio = {name: memory[deq] / memory[name] if memory[deq] and memory[name] else None for name in (shallow, deep)}
     judged = None if vs_shallow["stderr"] is None else vs_shallow["holds"]  # one seed: better or not, noise unknown
+    if learnt(family, summaries)[0] is False:  # still noise: the comparison says nothing about the claim
+        judged = None
     return {"vs_shallow": vs_shallow, "vs_deep": compare(family, summaries, deq, deep), "holds": judged,
             "memory_vs_shallow": ratio[shallow], "memory_vs_deep": ratio[deep],
             "seeds": (len(summaries[deq]["seeds"]), len(summaries[shallow]["seeds"]))}
@@ -132,19 +134,29 @@ def verdict(family: Family, group: str, summaries: dict[str, dict]) -> str:
     return " ".join([*parts, *untrained_check(family, summaries)])
 
 
-def untrained_check(family: Family, summaries: dict[str, dict]) -> list[str]:
-    """Whether the best trained variant is clearly better than the untrained network (where the family has one):
-    without that, a comparison of the variants is one between networks that are still noise."""
+def learnt(family: Family, summaries: dict[str, dict]) -> tuple[bool | None, dict | None]:
+    """Whether the best trained variant is clearly (three standard errors) better than the untrained network, and
+    that variant's summary; (None, None) where the family has no untrained run, (None, best) with a single seed."""
     metric = family.metrics[0]
     untrained = variant_of_role(family, "untrained")
     trained = [s for name, s in summaries.items() if name != untrained and metric.key in s]
     if untrained not in summaries or metric.key not in summaries[untrained] or not trained:
-        return []
+        return None, None
     best = (max if metric.higher_is_better else min)(trained, key=lambda s: s[metric.key]["mean"])
     gap = compare(family, summaries, best["variant"], untrained)
-    if gap["stderr"] is None:
+    return (None if gap["stderr"] is None else gap["diff"] > 3 * gap["stderr"]), best
+
+
+def untrained_check(family: Family, summaries: dict[str, dict]) -> list[str]:
+    """The sentence on :func:`learnt`: without it, a comparison of the variants may be one between networks that
+    are still noise."""
+    clearly, best = learnt(family, summaries)
+    if best is None:
+        return []
+    metric, untrained = family.metrics[0], variant_of_role(family, "untrained")
+    if clearly is None:
         judged = "a single seed on one side, so whether the variants learnt something cannot be judged."
-    elif gap["diff"] > 3 * gap["stderr"]:
+    elif clearly:
         judged = "better by more than three standard errors: the variants learnt something measurable, which is " \
                  "not to say their samples look like the data (see the grids)."
     else:
@@ -279,11 +291,12 @@ def summary_row(family: Family, group: str, summaries: dict[str, dict]) -> str:
     result = claim(family, summaries)
     if result is None:
         return f"| {family.title} | {group} | not enough runs | | | | |"
+    word = "cannot be judged: still noise" if learnt(family, summaries)[0] is False else judged_word(result)
     diff = result["vs_shallow"]
     cell = f"{diff['diff']:+.3g}" + ("" if diff["stderr"] is None else f" ± {diff['stderr']:.2g}")
     ratio = lambda r: "–" if r is None else f"{r:.2f}"  # noqa: E731
     return (f"| {family.title} | {group} | {family.metrics[0].label} | {result['seeds'][0]} / {result['seeds'][1]} | "
-            f"{cell} | **{judged_word(result)}** | {ratio(result['memory_vs_shallow'])} / "
+            f"{cell} | **{word}** | {ratio(result['memory_vs_shallow'])} / "
             f"{ratio(result['memory_vs_deep'])} |")
 
 
