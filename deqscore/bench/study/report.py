@@ -22,8 +22,9 @@ ESS_RELIABLE = 100  # effective draws below which an importance-sampling estimat
 PROTOCOL = """\
 The comparisons were fixed before any test metric was seen, and no variant was tuned after one was. Every family:
 seeds 0, 1, 2; one budget for all variants of a family (iterations, batch, learning rate, data as in the family's
-configs); the final weights (the averaged ones where the family keeps an average; DKEF: the model of its closing
-stage, from the best validation weights) scored on the test split;
+configs); the final weights scored on the test split (DKEF: the model of its closing stage, from the best
+validation weights; NCSN: the trained weights, not their EMA average, a change made for every NCSN variant after
+the first NCSN samples had been seen, because the average spans more steps than the runs train);
 mean and standard error over seeds in every table; parameters, activation memory of one step, seconds per
 training iteration, the device, the solver's mean iterations and final residual, and the fraction of backward
 solves that missed their tolerance beside every run.
