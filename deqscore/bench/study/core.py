@@ -62,7 +62,7 @@ class Family:
     variants: dict[str, Variant]
     metrics: tuple[Metric, ...]
     evaluate: Evaluate
-    evaluation: dict[str, int] = field(default_factory=dict)  # sizes of the evaluation (overridable: --set)
+    evaluation: dict[str, int | str] = field(default_factory=dict)  # sizes and settings (overridable: --set)
     fit_options: tuple[str, ...] = ()
     groups: dict[str, tuple[str, ...]] = field(default_factory=lambda: {"mnist": ()})
     choices: dict[str, tuple[str, ...]] = field(default_factory=dict)  # the accepted values of a text evaluation key

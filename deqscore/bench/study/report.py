@@ -89,8 +89,9 @@ def variant_of_role(family: Family, role: str) -> str | None:
 
 def claim(family: Family, summaries: dict[str, dict]) -> dict | None:
     """The protocol's comparisons on one data set: the DEQ against the shallow and the deep explicit networks on
-    the family's first metric, whether the claim holds (None: not judged, a single seed on a side), and the
-    DEQ's activation memory as a fraction of theirs; None when the DEQ or the shallow network has no run."""
+    the family's first metric, whether the claim holds (None: not judged, a single seed on a side or networks
+    still no better than the untrained one: ``still_noise``), and the DEQ's activation memory as a fraction of
+    theirs; None when the DEQ or the shallow network has no run."""
     deq, shallow, deep = (variant_of_role(family, r) for r in ("deq", "shallow", "deep"))
     vs_shallow = compare(family, summaries, deq, shallow)
     if vs_shallow is None:
@@ -99,9 +100,11 @@ def claim(family: Family, summaries: dict[str, dict]) -> dict | None:
               for name in (deq, shallow, deep)}
     ratio = {name: memory[deq] / memory[name] if memory[deq] and memory[name] else None for name in (shallow, deep)}
     judged = None if vs_shallow["stderr"] is None else vs_shallow["holds"]  # one seed: better or not, noise unknown
-    if learnt(family, summaries)[0] is False:  # still noise: the comparison says nothing about the claim
+    still_noise = learnt(family, summaries)[0] is False  # then the comparison says nothing about the claim
+    if still_noise:
         judged = None
     return {"vs_shallow": vs_shallow, "vs_deep": compare(family, summaries, deq, deep), "holds": judged,
+            "still_noise": still_noise,
             "memory_vs_shallow": ratio[shallow], "memory_vs_deep": ratio[deep],
             "seeds": (len(summaries[deq]["seeds"]), len(summaries[shallow]["seeds"]))}
 
@@ -292,7 +295,7 @@ def summary_row(family: Family, group: str, summaries: dict[str, dict]) -> str:
     result = claim(family, summaries)
     if result is None:
         return f"| {family.title} | {group} | not enough runs | | | | |"
-    word = "cannot be judged: still noise" if learnt(family, summaries)[0] is False else judged_word(result)
+    word = "cannot be judged: still noise" if result["still_noise"] else judged_word(result)
     diff = result["vs_shallow"]
     cell = f"{diff['diff']:+.3g}" + ("" if diff["stderr"] is None else f" ± {diff['stderr']:.2g}")
     ratio = lambda r: "–" if r is None else f"{r:.2f}"  # noqa: E731
