@@ -178,6 +178,7 @@ def test_the_verdict_follows_the_protocol_rule(tmp_path):
     (["--family", "nice", "--seeds", ","], "--seeds takes comma-separated integers"),
     (["--family", "dkef,nice", "--groups", "redwine"], "--groups: unknown ['redwine']; choose from mnist"),
     ([], "name the families to run"),
+    (["--report"], "no unit files (<family>/<data>/<variant>_s<seed>.json) to report on"),
 ])
 def test_usage_errors_name_the_option_and_the_choices(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit):

@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
     args = parser.parse_args(argv)
     if not args.family and not args.report:
         parser.error("--family: name the families to run (or 'all'), or give --report")
+    if not args.family and not any(Path(args.out).glob("*/*/*.json")):  # a mistyped --out must not empty the page
+        parser.error(f"--out {args.out}: no unit files (<family>/<data>/<variant>_s<seed>.json) to report on; "
+                     f"name the folder the study wrote")
     plan = plan_of(parser, args)
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s]
