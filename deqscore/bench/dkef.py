@@ -42,7 +42,7 @@ VARIANTS = (
 )
 RATIO_KEYS = ("params", "act_mib", "time_ms")
 MEMORY_SEED = 0  # the draws (projections) of the step whose memory is measured
-DATA_ROOT = "../shared/data"  # folder of winequality-red.csv, relative to the repository root
+DATA_ROOT = "datasets/uci"  # folder of the shipped UCI files, relative to the repository root
 # Options of every row: the budget is the fixed number of steps, so log_lambda is not fine-tuned after it, and exact
 # SM (D backward passes per test batch) is not reported.
 COMMON: Options = {"final_lambda_steps": 0, "exact_sm_batches": 0}

@@ -1,6 +1,6 @@
 """UCIDataModule: reading and checking the UCI files, the DKEF pre-processing, the synthetic Gaussian and the
-loaders. The real files are read from ``shared/data`` (never copied into the project); the network is never
-touched (``uci._open_url`` is replaced in every test)."""
+loaders. The real files are the ones shipped in ``datasets/uci`` (checked against their SHA-256); the network is
+never touched (``uci._open_url`` is replaced in every test)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from deqscore.data.errors import CorruptDataError, DataNotFoundError
 from deqscore.data.uci import UCI_FILES, dequantize_columns, median_gaps, prune_correlated, split_sizes
 from deqscore.errors import ConfigError
 
-SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+UCI_DATA = Path(__file__).resolve().parents[2] / "datasets" / "uci"  # shipped
 RED, WHITE, PARKINSONS = (UCI_FILES[name].name for name in ("redwine", "whitewine", "parkinsons"))
 # Parkinsons columns left by the two pruning rules (from the file's header, columns 3 onward)
 REFERENCE_COLUMNS = [
@@ -51,10 +51,22 @@ def no_uci_network(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 @pytest.fixture(scope="session")
 def uci_root() -> Path:
-    missing = [f for f in (RED, WHITE, PARKINSONS) if not (SHARED_DATA / f).is_file()]
-    if missing:
-        pytest.skip(f"UCI files {', '.join(missing)} are not in {SHARED_DATA} (see shared/data/README.md)")
-    return SHARED_DATA
+    return UCI_DATA
+
+
+@pytest.mark.parametrize("dataset", ["redwine", "whitewine", "parkinsons"])
+def test_shipped_files_match_their_checksums(dataset):
+    """The files in ``datasets/uci`` are the original UCI bytes: the SHA-256 the loader checks downloads against,
+    and the one the folder's README states."""
+    spec = UCI_FILES[dataset]
+    assert hashlib.sha256((UCI_DATA / spec.name).read_bytes()).hexdigest() == spec.sha256
+    readme = (UCI_DATA / "README.md").read_text()
+    assert f"`{spec.name}`" in readme and spec.sha256 in readme
+
+
+def test_the_default_root_is_the_shipped_folder():
+    """A plain ``UCIDataModule()`` run from the repository root reads the shipped files, with no download."""
+    assert (Path(__file__).resolve().parents[2] / UCIDataModule().root).resolve() == UCI_DATA.resolve()
 
 
 def _raw(root: Path, name: str, delimiter: str) -> np.ndarray:

@@ -36,7 +36,7 @@ def _nice_tiny(config: dict) -> list[str]:
     return args
 
 
-UCI_DATA = ROOT.parent / "shared" / "data"  # the UCI files beside the project (never copied into it)
+UCI_DATA = ROOT / "datasets" / "uci"  # the UCI files shipped with the project
 
 
 def _dkef_tiny(config: dict) -> list[str]:

@@ -1,15 +1,13 @@
 """A checkpoint that does not fit the run is refused with one message: weights trained on data of another
 dimension (both dimensions named), optimiser states that do not match the module's optimisers."""
 
-import pytest
 import torch
 
 from deqscore.cli.train import run
 
-from .conftest import UCI_DATA, tiny_args
+from .conftest import tiny_args
 
 
-@pytest.mark.skipif(not (UCI_DATA / "winequality-red.csv").is_file(), reason=f"no UCI files in {UCI_DATA}")
 def test_a_dkef_checkpoint_resumed_on_data_of_another_dimension_names_both(tmp_path, capsys):
     args = [*tiny_args(tmp_path, "configs/dkef/explicit_shallow.yaml", "red"), "--trainer.max_epochs", "1"]
     assert run(["fit", *args]) == 0

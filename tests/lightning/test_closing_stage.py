@@ -3,16 +3,14 @@
 
 import logging
 
-import pytest
 import torch
 
 from deqscore.cli.train import main, run
 from deqscore.errors import ConfigError
 from deqscore.lightning.dkef import DKEFModule
 
-from .conftest import UCI_DATA, tiny_args
+from .conftest import tiny_args
 
-pytestmark = pytest.mark.skipif(not (UCI_DATA / "winequality-red.csv").is_file(), reason=f"no UCI files in {UCI_DATA}")
 SHALLOW = "configs/dkef/explicit_shallow.yaml"
 
 

@@ -14,9 +14,8 @@ from deqscore.lightning.callbacks import read_metrics_csv
 from deqscore.lightning.dkef import FINAL_STAGE_SEED
 from deqscore.models.dkef import effective_sample_size
 
-from .conftest import UCI_DATA, tiny_args
+from .conftest import tiny_args
 
-pytestmark = pytest.mark.skipif(not (UCI_DATA / "winequality-red.csv").is_file(), reason=f"no UCI files in {UCI_DATA}")
 SHALLOW = "configs/dkef/explicit_shallow.yaml"
 
 
