@@ -23,7 +23,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check deqscore tests train.py sample.py
-	$(PY) -m pytest -q tests deqscore --doctest-modules
+	$(PY) -m pytest -q --durations=10 tests deqscore --doctest-modules
 
 bench: $(STAMP)
 	$(PY) -m deqscore.bench

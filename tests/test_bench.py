@@ -256,8 +256,9 @@ def test_dkef_log_likelihood_is_the_modules_test_metric_of_the_trained_weights()
     dm = bench_dkef.datamodule(variant, DKEF_RUN, "highdim", 8)
     row, module = bench_dkef.fit_and_test(variant, DKEF_RUN, dm, torch.device("cpu"))
     net = module.net
+    assert module.log_z_proposal == "mixture"  # the default: half the broad Gaussian, half at the training points
     log_z, stderr = net.log_partition(n_samples=module.final_log_z_samples, chunk=module.log_z_chunk,
-                                      generator=torch.Generator().manual_seed(12345))
+                                      generator=torch.Generator().manual_seed(12345), proposal_points=dm.train_data)
     with torch.no_grad():
         ll = (net.log_density(dm.test_data) - log_z).mean().item()
     assert row["test_ll"] == pytest.approx(ll, rel=1e-5) and row["log_z_stderr"] == pytest.approx(float(stderr))

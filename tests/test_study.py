@@ -7,9 +7,11 @@ import math
 import pytest
 
 from deqscore.bench import study
-from deqscore.bench.study import FAMILIES, core
+from deqscore.bench.study import FAMILIES, core, protocol
 from deqscore.bench.study.report import fmt
 from deqscore.lightning.callbacks import read_metrics_csv
+
+PROTOCOL = protocol.load()
 
 QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
          "--trainer.log_every_n_steps=1", "--trainer.limit_val_batches=2"]
@@ -52,8 +54,8 @@ def test_a_family_study_records_what_its_runs_logged_skips_recorded_units_and_wr
     units = run_study(tmp_path, name)[name]
     seeds = [int(s) for s in TINY[name][0][1].split(",")]
     group = next(iter(family.groups)) if name != "dkef" else "redwine"
-    assert [(u["group"], u["variant"], u["seed"]) for u in units] == [
-        (group, v, s) for s in seeds for v in family.variants]
+    variants = [v for v in family.variants if PROTOCOL.seeds(name, v)]  # the protocol's
+    assert [(u["group"], u["variant"], u["seed"]) for u in units] == [(group, v, s) for s in seeds for v in variants]
     for unit in units:
         variant = family.variants[unit["variant"]]
         path = core.unit_path(tmp_path / "out", name, group, unit["variant"], unit["seed"])
@@ -61,6 +63,9 @@ def test_a_family_study_records_what_its_runs_logged_skips_recorded_units_and_wr
                                                      "value"}
         assert unit["family"] == name and unit["device"].startswith("cpu") and unit["settings"]["iterations"] == 2
         assert unit["settings"]["budget"] == 2 / family.iterations
+        assert unit["settings"]["protocol"] == PROTOCOL.stamp and unit["settings"]["fit"] == \
+            PROTOCOL.family(name)["fit"]  # the protocol's shared options reach every fit
+        assert unit["settings"]["validations"] == PROTOCOL.validations
         value, run = unit["value"], tmp_path / "runs" / name / group / f"{unit['variant']}_s{unit['seed']}"
         series = read_metrics_csv(run / "metrics.csv") if variant.trained else {}  # untrained: nothing logged
         # trained for the budget (the implicit VAE: 3 optimiser steps per iteration); untrained: not at all
@@ -78,6 +83,10 @@ def test_a_family_study_records_what_its_runs_logged_skips_recorded_units_and_wr
         if name == "vae":  # the ELBO only for the Gaussian encoder: the implicit one has none
             assert ("elbo" in value["metrics"]) == (variant.role == "classical")
         assert (value["solver_iterations"] is not None) == ("deq" in variant.role)  # explicit nets have no solver
+        trusted = variant.role.startswith("deq") and name != "ncsn"  # measured through train.py test
+        assert (value["trust"] is not None) == trusted
+        if trusted:
+            assert 0 < value["trust"]["contraction"] < 1 and value["trust"]["gradient_rel_error"] >= 0
         assert path.with_suffix(".png").exists() == (name != "dkef")  # the sample grid of an image family
     # the seed reaches the run
     if len(seeds) > 1:
@@ -100,69 +109,101 @@ def test_a_family_study_records_what_its_runs_logged_skips_recorded_units_and_wr
         assert f"| {group} | {unit['variant']} | {role} | {len(values)} | {cell} |" in text
     for figure in (f"curves_{group}.png", "quality_vs_memory.png"):
         assert (tmp_path / "out" / name / figure).exists() and f"{name}/{figure})" in text
-    assert f"--budget {2 / family.iterations}`" in text
+    assert f"* **protocol**: v{PROTOCOL.version}, **off-protocol settings**" in text  # a tiny budget is a trial
+    for unit in units:  # every seed's grid
+        grid = f"{name}/{group}/{unit['variant']}_s{unit['seed']}.png)"
+        assert (grid in text) == (name != "dkef")
 
 
-def write_unit(out, family: str, group: str, variant: str, seed: int, metrics: dict) -> None:
-    unit = {"family": family, "group": group, "variant": variant, "seed": seed, "device": "cpu: test",
-            "settings": {"budget": 1.0, "iterations": 4, "evaluation": {}, "extra": []},
-            "value": {"iterations": 4, "optimiser_steps": 4, "curves": {}, "activation_memory_mb": 10.0,
-                      "parameters": 5, "metrics": metrics}}
+def write_unit(out, family: str, group: str, variant: str, seed: int, metrics: dict, trust: dict | None = None,
+               curve: list | None = None, device: str = "cpu: test") -> None:
+    entry = PROTOCOL.family(family)
+    settings = {"protocol": PROTOCOL.stamp, "budget": entry["budget"], "iterations": 4, "validations": 10,
+                "evaluation": entry["evaluation"], "fit": entry["fit"], "extra": []}
+    unit = {"family": family, "group": group, "variant": variant, "seed": seed, "device": device,
+            "settings": settings,
+            "value": {"iterations": 4, "optimiser_steps": 4, "curves": {"val/loss": curve or []},
+                      "activation_memory_mb": 10.0 if "deq" in variant else 20.0, "parameters": 5,
+                      "metrics": metrics, "trust": trust}}
     path = core.unit_path(out, family, group, variant, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(unit))
 
 
-def test_the_verdict_of_a_higher_is_better_metric_a_single_seed_and_an_unreliable_log_z(tmp_path):
+def report(tmp_path) -> str:
     page = tmp_path / "results.md"
-    for seed, (shallow, deq) in enumerate([(-1.0, -0.9), (-1.2, -1.0), (-1.1, -0.8)]):
-        write_unit(tmp_path, "dkef", "redwine", "explicit", seed, {"log_likelihood": shallow, "log_z_ess": 500.0})
-        write_unit(tmp_path, "dkef", "redwine", "deq", seed, {"log_likelihood": deq, "log_z_ess": 50.0 + seed * 100})
-    write_unit(tmp_path, "dkef", "whitewine", "explicit", 0, {"log_likelihood": -2.0})
-    write_unit(tmp_path, "dkef", "whitewine", "deq", 0, {"log_likelihood": -2.5})
-    write_unit(tmp_path, "dkef", "parkinsons", "explicit", 0, {"log_likelihood": -3.0})
-    write_unit(tmp_path, "dkef", "parkinsons", "deq", 0, {"log_likelihood": -2.0})
     study.main(["--report", "--out", str(tmp_path), "--page", str(page)])
-    text = page.read_text()
-    # redwine: DEQ mean -0.9 against -1.1, higher is better: better by 0.2, the claim holds
-    assert "On redwine, the DEQ's test log-lik. (nats / point) is better than the shallow explicit network's by " \
-           "0.200 ±" in text and "the claim holds here" in text
-    assert "| DKEF on UCI data | redwine | test log-lik. (nats / point) | 3 / 3 | +0.2 ±" in text
-    # whitewine: one seed each, worse: not judged
-    assert "worse than the shallow explicit network's by 0.500 (a single seed on one side" in text
-    row = "| DKEF on UCI data | {} | test log-lik. (nats / point) | 1 / 1 | {} | **cannot be judged** |"
-    assert row.format("whitewine", "-0.5") in text
-    # parkinsons: one seed each, better, but the noise is unknown: not judged either
-    assert row.format("parkinsons", "+1") in text
-    # one of the DEQ's three log Z estimates rests on fewer than 100 effective draws
-    assert "| redwine | deq | deq | 3 | -0.900 ± 0.058 (1 of 3 with ESS < 100: unreliable) |" in text
+    return page.read_text()
 
 
-def test_the_verdict_follows_the_protocol_rule(tmp_path):
-    """The DEQ against the shallow net, judged from hand-made unit files: better, within one standard error of the
-    difference, and worse by more."""
-    family = FAMILIES["nice"]
-
-    def write(variant: str, values: list[float]) -> None:
+def test_the_verdicts_at_the_protocols_margin(tmp_path):
+    """DKEF (higher is better, margin 0.1 nats): a DEQ better by 0.2 with small noise holds; one 0.5 worse fails;
+    one 0.03 worse with noise that v1's rule passed ('worse by less than one standard error') is inconclusive,
+    with the seeds a decision would need; a single seed is not judged."""
+    def write(group, variant, values, **kw):
         for seed, v in enumerate(values):
-            write_unit(tmp_path, "nice", "mnist", variant, seed, {"bits_per_dim": v})
+            write_unit(tmp_path, "dkef", group, variant, seed, {"log_likelihood": v, "log_z_ess": 500.0}, **kw)
 
-    page = tmp_path / "results.md"
-    write("explicit", [5.0, 5.2, 5.4])  # mean 5.2, standard error 0.1155
-    for deq, expected in (([5.0, 5.1, 5.2], "better than the shallow explicit network's by 0.100 ± 0.129"),
-                          ([5.2, 5.3, 5.4], "worse than the shallow explicit network's by 0.100 ± 0.129"),
-                          ([5.3, 5.4, 5.5], "worse than the shallow explicit network's by 0.200 ± 0.129")):
-        write("deq", deq)
-        study.main(["--report", "--out", str(tmp_path), "--page", str(page)])
-        text = page.read_text()
-        assert expected in text, text
-        holds = deq[1] <= 5.2 + math.hypot(0.2 / math.sqrt(3), 0.1 / math.sqrt(3))
-        assert ("the claim holds here" in text) == holds and ("does not hold" in text) == (not holds)
-        word = "holds" if holds else "does not hold"
-        gap = -(sum(deq) / 3 - 5.2)  # lower bits/dim is better
-        assert f"| NICE on MNIST | mnist | test bits/dim | 3 / 3 | {gap:+.3g} ± 0.13 | **{word}** |" in text
-    assert family.metrics[0].label in text
-    assert f"* **context (not comparable)**: {family.context}" in text  # NICE quotes a published figure
+    write("redwine", "explicit", [-1.0, -1.02, -0.98, -1.01, -0.99])
+    write("redwine", "deq", [-0.8, -0.82, -0.78, -0.81, -0.79])
+    write("whitewine", "explicit", [-1.0, -1.02, -0.98, -1.01, -0.99])
+    write("whitewine", "deq", [-1.5, -1.52, -1.48, -1.51, -1.49])
+    write("parkinsons", "explicit", [-1.0, -1.3, -0.7])
+    write("parkinsons", "deq", [-1.03, -1.33, -0.73])
+    write("parkinsons", "explicit_deep", [-1.2])
+    text = report(tmp_path)
+    assert "| DKEF on UCI data | redwine | deq vs explicit (shallow) | 5 / 5 | +0.2 ± 0.01 |" in text
+    assert "| 0.100 | **holds** |" in text and "| 0.100 | **fails** |" in text
+    assert "| whitewine | deq vs explicit (shallow) | 5 / 5 | -0.5 ± 0.01 |" in text
+    unsure = [line for line in text.splitlines() if line.startswith("| DKEF on UCI data | parkinsons | deq vs "
+                                                                     "explicit (shallow)")]
+    assert len(unsure) == 1 and "**inconclusive**; " in unsure[0] and "seeds per arm would decide" in unsure[0]
+    assert "| parkinsons | deq vs explicit_deep (deep) | 3 / 1 | – |" in text and "fewer than two seeds a side" in text
+    assert "| 0.50 |" in text  # the DEQ's memory against the shallow network's
+
+
+def test_flattened_curves_and_trust_figures_reach_the_page(tmp_path):
+    """The shallow network's mean validation curve decides converged / early-training (less than 1 % over the last
+    fifth); a DEQ whose training gradient is more than 5 % off the exact one is marked unfaithful."""
+    flat = [[99, -10.0], [199, -20.0], [799, -30.0], [999, -30.2]]  # 0.7 % over the last fifth
+    falling = [[99, -10.0], [199, -20.0], [799, -30.0], [999, -33.0]]  # 9.1 %
+    trust = {"contraction": 0.7, "phantom_steps": 2, "neumann_remainder": 0.49, "derivative_rel_error": 0.1,
+             "objective_rel_error": 0.2, "gradient_rel_error": 0.3, "exact_converged": True, "capped_solves": 0.0,
+             "capped_solves_training": 0.0, "max_iter": 10}
+    for seed in range(2):
+        write_unit(tmp_path, "nice", "mnist", "explicit", seed, {"bits_per_dim": 5.0 + seed / 10}, curve=flat,
+                   device=f"cpu: model {seed}")
+        write_unit(tmp_path, "nice", "mnist", "deq", seed, {"bits_per_dim": 5.0 + seed / 10}, trust=trust)
+    text = report(tmp_path)
+    assert "converged (+0.7% over the last fifth)" in text
+    assert "| mnist | deq | 2 | 0.700 (0.700) | 2 | 0.490 (0.490) | 10.0% (10.0%) | 20.0% (20.0%) | 30.0% (30.0%) " \
+           "| 0.0% (0.0%) / 0.0% (0.0%) | 2 of 2 | **no** (> 5%) |" in text
+    assert "(time figures from different CPU models are not comparable)" in text
+    for seed in range(2):
+        write_unit(tmp_path, "nice", "mnist", "explicit", seed, {"bits_per_dim": 5.0}, curve=falling)
+        write_unit(tmp_path, "nice", "mnist", "deq", seed, {"bits_per_dim": 5.0},
+                   trust=trust | {"gradient_rel_error": 0.01})
+    text = report(tmp_path)
+    assert "early-training (+9.1% over the last fifth)" in text and "| 2 of 2 | yes |" in text
+
+
+def test_the_page_states_the_protocol_and_its_deviations(tmp_path):
+    write_unit(tmp_path, "vae", "mnist", "explicit", 0, {"ais_log_likelihood": -100.0})
+    text = report(tmp_path)
+    assert f"`benchmarks/protocol/v{PROTOCOL.version}.json` (SHA-256 `{PROTOCOL.sha256}`)" in text
+    assert "## Deviations" in text and text.count("| after v1 results |") == 3
+    assert "| vae | ais_log_likelihood | higher | 1.0 nats | 1.0 x |" in text
+
+
+def test_units_of_another_protocol_are_refused(tmp_path, capsys):
+    write_unit(tmp_path, "nice", "mnist", "explicit", 0, {"bits_per_dim": 5.0})
+    path = core.unit_path(tmp_path, "nice", "mnist", "explicit", 0)
+    unit = json.loads(path.read_text())
+    unit["settings"]["protocol"] = {"version": 1, "sha256": "x"}
+    path.write_text(json.dumps(unit))
+    with pytest.raises(SystemExit):
+        report(tmp_path)
+    assert "not recorded under protocol v2" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, message", [
@@ -179,6 +220,7 @@ def test_the_verdict_follows_the_protocol_rule(tmp_path):
     (["--family", "dkef,nice", "--groups", "redwine"], "--groups: unknown ['redwine']; choose from mnist"),
     ([], "name the families to run"),
     (["--report"], "no unit files (<family>/<data>/<variant>_s<seed>.json) to report on"),
+    (["--family", "nice", "--protocol", "benchmarks/protocol/v9.json"], "--protocol benchmarks/protocol/v9.json"),
 ])
 def test_usage_errors_name_the_option_and_the_choices(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit):
@@ -186,36 +228,26 @@ def test_usage_errors_name_the_option_and_the_choices(tmp_path, capsys, args, me
     assert message in capsys.readouterr().err
 
 
-def test_the_untrained_network_tells_whether_the_variants_learnt_something(tmp_path):
-    """NCSN's best trained variant against the untrained network: more than three standard errors apart, or not;
-    said also when the DEQ has no run yet."""
-    page = tmp_path / "results.md"
-
+def test_the_untrained_network_is_a_control_not_an_override(tmp_path):
+    """NCSN's trained variants as a fraction of the untrained network's KID, beside the verdict, which stands."""
     def write(variant: str, values: list[float]) -> None:
         for seed, v in enumerate(values):
             write_unit(tmp_path, "ncsn", "mnist", variant, seed, {"kid": v})
 
-    write("untrained", [0.50, 0.52, 0.54])  # mean 0.52, standard error 0.0115
-    write("explicit", [0.40, 0.42, 0.44])  # 0.10 better: 6 standard errors of the difference (0.0163)
-    study.main(["--report", "--out", str(tmp_path), "--page", str(page)])
-    text = page.read_text()
-    assert "mnist: not enough runs recorded to compare the DEQ" in text
-    assert "The best trained variant (explicit, 0.420 ± 0.012) against the untrained network (0.520 ± 0.012): " \
-           "better by more than three standard errors: the variants learnt something measurable" in text
-    write("explicit", [0.46, 0.48, 0.50])  # 0.04 better: 2.4 standard errors, still noise
-    write("deq", [0.47, 0.49, 0.51])
-    study.main(["--report", "--out", str(tmp_path), "--page", str(page)])
-    text = page.read_text()
-    assert "The best trained variant (explicit, 0.480 ± 0.012) against the untrained network (0.520 ± 0.012): " \
-           "not clearly better, so this comparison is between networks that are still noise" in text
-    # the DEQ is within one standard error, but between networks that are still noise that is no verdict
-    assert "the claim cannot be judged here" in text and "**cannot be judged: still noise**" in text
+    write("untrained", [0.50, 0.52, 0.54])
+    write("explicit", [0.40, 0.42, 0.44])
+    write("deq", [0.40, 0.41, 0.42])
+    text = report(tmp_path)
+    assert "Control: each trained variant's KID as a fraction of the untrained network's (0.520): explicit 0.81, " \
+           "deq 0.79." in text
+    assert "the samples are called digits when a variant's KID is at most a tenth" in text
+    # margin: 10 % of the shallow network's KID (0.042); the DEQ is better by 0.01: the verdict is given
+    assert "| mnist | deq vs explicit (shallow) | 3 / 3 | +0.01 ±" in text and "| 0.042 | **" in text
 
 
 @pytest.mark.parametrize("weights, raw", [("trained", True), ("averaged", False)])
 def test_ncsn_samples_from_the_weights_its_evaluation_names(tmp_path, monkeypatch, weights, raw):
-    """At the study's budgets the EMA average is still mostly the initial weights: ``weights=trained`` (the default)
-    must reach ``sample.py`` as ``--raw-weights``."""
+    """``weights=trained`` must reach ``sample.py`` as ``--raw-weights``; the protocol scores the EMA average."""
     from deqscore.bench.study import families
 
     passed = []
@@ -228,7 +260,7 @@ def test_ncsn_samples_from_the_weights_its_evaluation_names(tmp_path, monkeypatc
 
     monkeypatch.setattr(families, "draw_samples", draw)
     run = tmp_path / "runs" / "ncsn" / "mnist" / "deq_s0"
-    evaluation = families.NCSN.evaluation | {"weights": weights}
+    evaluation = PROTOCOL.family("ncsn")["evaluation"] | {"weights": weights}
     families.evaluate_ncsn(run, run / "last.ckpt", families.NCSN.variants["deq"], 0, evaluation)
     assert ("--raw-weights" in passed) == raw
-    assert families.NCSN.evaluation["weights"] == "trained"
+    assert PROTOCOL.family("ncsn")["evaluation"]["weights"] == "averaged"

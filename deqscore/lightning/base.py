@@ -90,6 +90,8 @@ class ScoreModule(pl.LightningModule):
     """Base class; subclasses set ``family``, take ``net`` (and their options) and implement the hooks."""
 
     family: ClassVar[str] = ""
+    #: the term of :meth:`compute_loss` that trains the DEQ layers' parameters (what their trust figures check)
+    deq_objective: ClassVar[str] = "loss"
     #: one host sync per training step for deqscore's checks (see the module docstring); off: every check reads
     #: its own result at once, as a plain eager step does
     sync_free_steps: bool = False

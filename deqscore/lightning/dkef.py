@@ -14,9 +14,10 @@ best checkpoint's weights) solves alpha on the whole training set and fine-tunes
 batches; the result is saved as ``checkpoints/final.ckpt``.
 
 Validation and test log the loss, the exact score-matching loss (``exact_sm``) and the log-likelihood, with log Z
-estimated by importance sampling (``log_z``, ``log_z_stderr``, ``log_z_ess``; ``log_z_proposal``: the broad
-Gaussian ``N(0, 4 I)``, or ``mixture``, half that Gaussian and half Gaussians at the whitened training points,
-for models whose mass the broad Gaussian rarely draws); on the synthetic ``highdim`` data also the Fisher
+estimated by importance sampling (``log_z``, ``log_z_stderr``, ``log_z_ess``; ``log_z_proposal``: ``mixture``,
+the default, half the broad Gaussian ``N(0, 4 I)`` and half Gaussians at the whitened training points, or
+``gaussian``, the broad Gaussian alone, which a trained model's mass is rarely drawn from: on RedWine it gives 5-18
+effective draws of 5,000 where the mixture gives hundreds); on the synthetic ``highdim`` data also the Fisher
 divergence to the true N(0, I) and the true log-likelihood of the same points.
 
 Config::
@@ -80,7 +81,7 @@ class DKEFModule(ScoreModule):
         final_lambda_steps: int = 1000,  # Adam steps on log_lambda alone at the end of fit (0: none)
         final_lambda_lr: float = 1e-3,  # their learning rate
         exact_sm_batches: int = -1,  # val/test batches on which exact SM is computed (-1: all)
-        log_z_proposal: Literal["gaussian", "mixture"] = "gaussian",  # importance proposal of log Z (see below)
+        log_z_proposal: Literal["gaussian", "mixture"] = "mixture",  # importance proposal of log Z (see below)
     ):
         super().__init__()
         self.net = net

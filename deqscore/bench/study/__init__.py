@@ -4,19 +4,21 @@ commands, and written up from the recorded results alone.
 
 Run::
 
-    python -m deqscore.bench.study --family nice --seeds 0,1,2              # the default budget (about 3 CPU-hours)
-    python -m deqscore.bench.study --family dkef,vae,ncsn --seeds 0,1,2 --budget 0.25
-    python -m deqscore.bench.study --report                                 # docs/results.md from the unit files
+    python -m deqscore.bench.study --family dkef --groups redwine   # the protocol's budget, seeds and variants
+    python -m deqscore.bench.study --family nice --variants explicit,deq --seeds 0
+    python -m deqscore.bench.study --report                         # docs/results.md from the unit files
 
-Each (family, data set, variant, seed) is one unit: ``train.py fit`` of the variant's config with the family's
-shared options for ``budget x`` the family's training iterations (run directory
-``<runs-root>/<family>/<data>/<variant>_s<seed>``), then the family's evaluation of its final weights (see
-:mod:`deqscore.bench.study.families`), recorded as ``<out>/<family>/<data>/<variant>_s<seed>.json``. A unit already
-recorded with the same settings is read back instead of run again, so a study longer than one sitting continues
-where it stopped (a run directory left by an interrupted unit is moved aside). A unit file holds one budget: a
-unit recorded with other settings (budget, evaluation sizes, ``--extra``) is run again and replaced, so keep
-studies at two budgets under two ``--out`` and ``--runs-root``. ``--set key=value`` changes an evaluation size
-(e.g. ``--set samples=2000`` for NCSN; this re-runs the units); ``--extra`` passes arguments to every fit.
+The protocol (``benchmarks/protocol/v<N>.json``, the newest by default; :mod:`.protocol`) fixes each family's
+budget, the seeds of each variant, the evaluation sizes and the options every fit shares; ``--budget``,
+``--seeds`` and ``--set`` depart from it (for trials: the report marks such units off-protocol). Each
+(family, data set, variant, seed) is one unit: ``train.py fit`` of the variant's config for ``budget x`` the
+family's training iterations (run directory ``<runs-root>/<family>/<data>/<variant>_s<seed>``), then the family's
+evaluation of its final weights (see :mod:`deqscore.bench.study.families`), recorded as
+``<out>/<family>/<data>/<variant>_s<seed>.json``. A unit already recorded with the same settings is read back
+instead of run again, so a study longer than one sitting continues where it stopped (a run directory left by an
+interrupted unit is moved aside); a unit recorded with other settings is run again and replaced. Units run seed
+by seed, each seed's variants in the family's order, so an interrupted study has whole seeds of the first
+variants. ``--extra`` passes arguments to every fit.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from pathlib import Path
 import torch
 
 from ..measure import environment
-from .core import Family, run_unit
+from .core import Family, UnitSettings, run_unit
 from .families import FAMILIES
+from .protocol import Protocol, ProtocolError, load
 from .report import write_page
 
 __all__ = ["FAMILIES", "main"]
@@ -44,10 +47,10 @@ def chosen(parser: argparse.ArgumentParser, key: str, text: str, known: dict | l
     return names
 
 
-def evaluation_of(parser: argparse.ArgumentParser, family: Family, pairs: list[str]) -> dict:
-    """The family's evaluation sizes with the ``key=value`` changes of ``--set`` that name one of them."""
-    known = sorted({k for f in FAMILIES.values() for k in f.evaluation})
-    evaluation = dict(family.evaluation)
+def evaluation_of(parser: argparse.ArgumentParser, protocol: Protocol, family: Family, pairs: list[str]) -> dict:
+    """The protocol's evaluation sizes of ``family`` with the ``key=value`` changes of ``--set`` that name one."""
+    known = sorted({k for f in FAMILIES for k in protocol.family(f)["evaluation"]})
+    evaluation = dict(protocol.family(family.name)["evaluation"])
     for pair in pairs:
         key, equals, value = pair.partition("=")
         if key not in known or not equals:
@@ -63,31 +66,58 @@ def evaluation_of(parser: argparse.ArgumentParser, family: Family, pairs: list[s
     return evaluation
 
 
-Plan = list[tuple[Family, list[str], list[str], dict]]  # (family, groups, variants, evaluation)
+# (family, groups, the seeds of each variant to run, the settings its units share)
+Plan = list[tuple[Family, list[str], dict[str, list[int]], UnitSettings]]
 
 
-def plan_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Plan:
+def seeds_of(parser: argparse.ArgumentParser, text: str) -> list[int] | None:
+    """``--seeds``: comma-separated integers; None when not given (the protocol's)."""
+    if text is None:
+        return None
+    try:
+        seeds = [int(s) for s in text.split(",") if s]
+    except ValueError:
+        seeds = []
+    if not seeds:
+        parser.error(f"--seeds takes comma-separated integers, got {text!r}")
+    return seeds
+
+
+def plan_of(parser: argparse.ArgumentParser, args: argparse.Namespace, protocol: Protocol) -> Plan:
     """What to run, every option checked before anything runs (an error names the option and the choices)."""
     names = list(FAMILIES) if args.family == "all" else (
         chosen(parser, "--family", args.family, FAMILIES) if args.family else [])
-    if not (math.isfinite(args.budget) and args.budget > 0):
+    if args.budget is not None and not (math.isfinite(args.budget) and args.budget > 0):
         parser.error(f"--budget: a positive fraction of the default, got {args.budget}")
+    seeds = seeds_of(parser, args.seeds)
     plan = []
     for name in names:
-        family = FAMILIES[name]
+        family, entry = FAMILIES[name], protocol.family(name)
         variants = chosen(parser, "--variants", args.variants, family.variants) if args.variants else \
-            list(family.variants)
+            [v for v in family.variants if protocol.seeds(name, v)]
         groups = chosen(parser, "--groups", args.groups, family.groups) if args.groups else list(family.groups)
-        plan.append((family, groups, variants, evaluation_of(parser, family, args.set)))
+        settings = UnitSettings(protocol.stamp, args.budget if args.budget is not None else entry["budget"],
+                                protocol.validations, evaluation_of(parser, protocol, family, args.set),
+                                tuple(entry["fit"]), tuple(args.extra))
+        plan.append((family, groups, {v: seeds or protocol.seeds(name, v) for v in variants}, settings))
     return plan
+
+
+def units_in_order(groups: list[str], seeds: dict[str, list[int]]) -> list[tuple[str, str, int]]:
+    """(group, variant, seed) group by group, seed by seed, each seed's variants in order."""
+    return [(group, variant, seed) for group in groups for seed in sorted({s for v in seeds.values() for s in v})
+            for variant, chosen_seeds in seeds.items() if seed in chosen_seeds]
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", default="", help=f"comma-separated, from {', '.join(FAMILIES)}, or 'all'")
-    parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (seed_everything of each run)")
-    parser.add_argument("--budget", type=float, default=1.0, help="fraction of each family's default iterations")
-    parser.add_argument("--variants", default="", help="comma-separated (default: all of the family's)")
+    parser.add_argument("--protocol", default=None, help="protocol file (default: the newest in benchmarks/protocol)")
+    parser.add_argument("--seeds", default=None, help="comma-separated seeds of every variant (default: the "
+                                                       "protocol's, per variant)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="fraction of each family's default iterations (default: the protocol's)")
+    parser.add_argument("--variants", default="", help="comma-separated (default: the protocol's)")
     parser.add_argument("--groups", default="", help="data sets (DKEF: redwine, whitewine, parkinsons)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an evaluation size")
     parser.add_argument("--runs-root", default="checkpoints/study")
@@ -101,20 +131,20 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
     if not args.family and not any(Path(args.out).glob("*/*/*.json")):  # a mistyped --out must not empty the page
         parser.error(f"--out {args.out}: no unit files (<family>/<data>/<variant>_s<seed>.json) to report on; "
                      f"name the folder the study wrote")
-    plan = plan_of(parser, args)
     try:
-        seeds = [int(s) for s in args.seeds.split(",") if s]
-    except ValueError:
-        seeds = []
-    if not seeds:
-        parser.error(f"--seeds takes comma-separated integers, got {args.seeds!r}")
+        protocol = load(args.protocol)
+    except ProtocolError as err:
+        parser.error(str(err))
+    plan = plan_of(parser, args, protocol)
     out = Path(args.out)
     device = environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))["device"]
     results = {
-        family.name: [run_unit(family, group, variant, seed, args.budget, Path(args.runs_root), out, args.extra,
-                               evaluation, device)
-                      for group in groups for seed in seeds for variant in variants]  # seed by seed
-        for family, groups, variants, evaluation in plan}
+        family.name: [run_unit(family, group, variant, seed, settings, Path(args.runs_root), out, device)
+                      for group, variant, seed in units_in_order(groups, seeds)]
+        for family, groups, seeds, settings in plan}
     if args.report:
-        print(write_page(out, Path(args.page), list(FAMILIES.values())))
+        try:
+            print(write_page(out, Path(args.page), list(FAMILIES.values()), protocol))
+        except ProtocolError as err:
+            parser.error(str(err))
     return results

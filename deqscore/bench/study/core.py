@@ -1,11 +1,12 @@
 """The study's machinery, the same for every family: what a family declares (:class:`Family`), one unit of work
-(train one variant at one seed with the family's budget, then evaluate it: :func:`run_unit`), and the per-variant
-mean and standard error over seeds (:func:`summarise`).
+(train one variant at one seed with the protocol's budget, then evaluate it: :func:`run_unit`), and the
+per-variant mean and standard error over seeds (:func:`summarise`).
 
 A unit is recorded as ``<out>/<family>/<group>/<variant>_s<seed>.json`` with the family, group (data set),
-variant, seed, the device and the settings (budget, iterations, evaluation sizes, extra arguments); a unit already
-recorded with the same settings is read back and not run again (:func:`deqscore.bench.units.recorded`). Image
-families also leave the unit's sample grid beside it (``<variant>_s<seed>.png``).
+variant, seed, the device and the settings (the protocol's version and SHA-256, budget, iterations, validations,
+evaluation sizes, fit options, extra arguments); a unit already recorded with the same settings is read back and
+not run again (:func:`deqscore.bench.units.recorded`). Image families also leave the unit's sample grid beside it
+(``<variant>_s<seed>.png``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from ...lightning.callbacks import read_metrics_csv
 from ..units import mean_stderr, recorded
 
 ROOT = Path(__file__).resolve().parents[3]
-VALIDATIONS = 4  # validations per run (the validation curve's points); the last one is at the end of training
 CURVE_POINTS = 60  # points kept of each training curve in a unit file
 
 
@@ -32,7 +32,9 @@ class Variant:
     """One network of a family: its config (relative to the repository root) and overrides."""
 
     config: str
-    role: str  # "shallow", "deep", "deq", "deq_reference", "classical" (another model class) or "untrained"
+    # "shallow", "deep", "deq", "deq_faithful" (the DEQ with an exact enough training derivative), "deq_reference",
+    # "classical" (another model class) or "untrained"
+    role: str
     overrides: tuple[str, ...] = ()
     steps_per_iteration: int = 1  # optimiser steps per training iteration (the implicit VAE: 2 score + 1)
     trained: bool = True  # False: the network at initialisation, through the same evaluation
@@ -51,9 +53,10 @@ Evaluate = Callable[[Path, Path, Variant, int, dict], dict]
 
 @dataclass(frozen=True)
 class Family:
-    """What a family brings to the study. ``iterations`` is the training length at ``--budget 1``; every variant
-    gets the same iterations, ``fit_options`` and evaluation. ``metrics[0]`` is the quality the claim is judged
-    on. ``groups`` are the data sets, each with its fit overrides."""
+    """What a family brings to the study: its code. ``iterations`` is the training length at budget 1; every
+    variant gets the same iterations, fit options and evaluation, which the protocol fixes
+    (:mod:`.protocol`). ``metrics[0]`` is the quality the claim is judged on. ``groups`` are the data sets, each
+    with its fit overrides."""
 
     name: str
     title: str
@@ -62,8 +65,6 @@ class Family:
     variants: dict[str, Variant]
     metrics: tuple[Metric, ...]
     evaluate: Evaluate
-    evaluation: dict[str, int | str] = field(default_factory=dict)  # sizes and settings (overridable: --set)
-    fit_options: tuple[str, ...] = ()
     groups: dict[str, tuple[str, ...]] = field(default_factory=lambda: {"mnist": ()})
     choices: dict[str, tuple[str, ...]] = field(default_factory=dict)  # the accepted values of a text evaluation key
     context: str = ""  # a published figure for orientation, and why the study's numbers are not comparable to it
@@ -76,31 +77,48 @@ def unit_path(out: Path, family: str, group: str, variant: str, seed: int) -> Pa
     return out / family / group / f"{variant}_s{seed}.json"
 
 
-def run_unit(family: Family, group: str, name: str, seed: int, budget: float, runs_root: Path, out: Path,
-             extra: list[str], evaluation: dict, device: str) -> dict:
+@dataclass(frozen=True)
+class UnitSettings:
+    """What every unit of one study call shares: the protocol it runs under (version and SHA-256), the budget
+    (a fraction of the family's iterations), validations per run, the evaluation, the fit options and extra
+    arguments. A unit recorded with other settings is run again."""
+
+    protocol: dict[str, Any]
+    budget: float
+    validations: int
+    evaluation: dict[str, Any]
+    fit: tuple[str, ...] = ()
+    extra: tuple[str, ...] = ()
+
+    def recorded_as(self, family: Family) -> dict[str, Any]:
+        return {"protocol": self.protocol, "budget": self.budget, "iterations": family.iterations_at(self.budget),
+                "validations": self.validations, "evaluation": self.evaluation, "fit": list(self.fit),
+                "extra": list(self.extra)}
+
+
+def run_unit(family: Family, group: str, name: str, seed: int, settings: UnitSettings, runs_root: Path, out: Path,
+             device: str) -> dict:
     """The unit of (``group``, ``name``, ``seed``): read back from its file when recorded with the same settings,
     else trained, evaluated and recorded."""
-    iterations = family.iterations_at(budget)
-    settings = {"budget": budget, "iterations": iterations, "evaluation": evaluation, "extra": list(extra)}
     path = unit_path(out, family.name, group, name, seed)
 
     def compute() -> dict:
         run_dir = runs_root / family.name / group / f"{name}_s{seed}"
-        result = train_and_evaluate(family, group, name, seed, iterations, run_dir, extra, evaluation)
+        result = train_and_evaluate(family, group, name, seed, settings, run_dir)
         grid = run_dir / "samples" / "samples.png"
         if grid.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(grid, path.with_suffix(".png"))
         return result
 
-    recorded(path, settings, compute, family=family.name, group=group, variant=name, seed=seed, device=device)
+    recorded(path, settings.recorded_as(family), compute, family=family.name, group=group, variant=name, seed=seed,
+             device=device)
     return json.loads(path.read_text())  # the unit as recorded: facts, settings and value
 
 
-def train_and_evaluate(family: Family, group: str, name: str, seed: int, iterations: int, run_dir: Path,
-                       extra: list[str], evaluation: dict) -> dict:
-    """``train.py fit`` of one variant at ``seed`` for ``iterations`` (none for an untrained variant), then the
-    family's evaluation of its final weights: the run facts, the curves and the metrics."""
+def train_and_evaluate(family: Family, group: str, name: str, seed: int, settings: UnitSettings, run_dir: Path) -> dict:
+    """``train.py fit`` of one variant at ``seed`` for the budget's iterations (none for an untrained variant),
+    then the family's evaluation of its final weights: the run facts, the curves and the metrics."""
     from ...cli.train import main as train
     from ...lightning.runs import move_aside
 
@@ -108,11 +126,12 @@ def train_and_evaluate(family: Family, group: str, name: str, seed: int, iterati
     variant = family.variants[name]
     if run_dir.exists():  # left by an interrupted unit or one of other settings: kept aside, never written into
         print(f"moved the earlier run {run_dir} aside to {move_aside(run_dir)}")
-    iterations = iterations if variant.trained else 0
+    iterations = family.iterations_at(settings.budget) if variant.trained else 0
+    interval = max(1, iterations // settings.validations)
     arguments = [f"--seed_everything={seed}", f"--trainer.max_steps={iterations * variant.steps_per_iteration}",
-                 "--trainer.max_epochs=-1", f"--trainer.val_check_interval={max(1, iterations // VALIDATIONS)}",
+                 "--trainer.max_epochs=-1", f"--trainer.val_check_interval={interval}",
                  "--trainer.check_val_every_n_epoch=null", "--trainer.enable_progress_bar=false",
-                 *family.fit_options, *family.groups[group], *variant.overrides, *extra]
+                 *settings.fit, *family.groups[group], *variant.overrides, *settings.extra]
     start = time.perf_counter()
     fit = train(["fit", f"--config={ROOT / variant.config}", f"--run_name={run_dir.name}",
                  f"--runs_root={run_dir.parent}", *arguments])
@@ -127,11 +146,15 @@ def train_and_evaluate(family: Family, group: str, name: str, seed: int, iterati
         fit.trainer.save_checkpoint(checkpoint)
     logged = run_dir / "metrics.csv"  # an untrained run logs nothing
     series = read_metrics_csv(logged) if logged.exists() else {}
+    metrics = family.evaluate(run_dir, checkpoint, variant, seed, settings.evaluation)
+    trust = metrics.pop("trust", None)
+    if trust is not None:  # the share of training's logged solves that stopped at the layer's cap
+        nstep = [v for _, v in series.get("train/deq/nstep", [])]
+        trust["capped_solves_training"] = sum(v >= trust["max_iter"] for v in nstep) / len(nstep) if nstep else None
     return {"config": variant.config, "arguments": arguments, "iterations": iterations,
             "optimiser_steps": fit.trainer.global_step, **run_facts(series),
             "seconds_per_iteration": fit_seconds / iterations if iterations else None,
-            "evaluated": checkpoint.name, "curves": curves(series),
-            "metrics": family.evaluate(run_dir, checkpoint, variant, seed, evaluation)}
+            "evaluated": checkpoint.name, "curves": curves(series), "metrics": metrics, "trust": trust}
 
 
 def run_facts(series: dict[str, list[tuple[int, float]]]) -> dict[str, Any]:

@@ -1,8 +1,10 @@
-"""The four families of the study: their variants, the budget at ``--budget 1``, the options every variant shares,
-and how a trained run is evaluated. A new family is one more :class:`~deqscore.bench.study.core.Family` here.
+"""The four families of the study: their variants, the training length at budget 1 and how a trained run is
+evaluated. A new family is one more :class:`~deqscore.bench.study.core.Family` here and an entry in the protocol
+(``benchmarks/protocol/``), which fixes the budget, seeds, evaluation sizes and the options every variant shares.
 
 Every evaluation runs through the project's own commands (``train.py test``, ``sample.py``) on the checkpoint
-the unit names, so the study measures what a user of those commands would get.
+the unit names, so the study measures what a user of those commands would get. A DEQ's evaluation also measures
+its trust figures on the first test batch (:mod:`.trust`).
 """
 
 from __future__ import annotations
@@ -11,19 +13,29 @@ import json
 from pathlib import Path
 
 from ...lightning.dkef import LOG_Z_PROPOSALS
+from ...lightning.run_hooks import batch_inputs
 from ..dkef import data_root
 from .core import Family, Metric, Variant
+from .trust import trust_figures
 
 GRID = 100  # samples drawn for an image family's grid
+TRUST_BATCH = 128  # test rows of the trust figures
 
 
 def test_metrics(run_dir: Path, checkpoint: Path, options: list[str], keys: tuple[str, ...]) -> dict:
-    """``train.py test`` of ``checkpoint`` in its run; the ``test/<key>`` figures it logged."""
+    """``train.py test`` of ``checkpoint`` in its run: the ``test/<key>`` figures it logged, and for a DEQ the trust
+    figures of the tested weights on the first test batch (``trust``)."""
     from ...cli.train import main as train
 
     test = train(["test", f"--config={run_dir / 'config.yaml'}", f"--ckpt_path={checkpoint}", *options])
     logged = test.trainer.callback_metrics
-    return {key: float(logged[f"test/{key}"]) for key in keys if f"test/{key}" in logged}
+    metrics = {key: float(logged[f"test/{key}"]) for key in keys if f"test/{key}" in logged}
+    module = test.model
+    if module.deq_layers():
+        batch = next(iter(test.datamodule.test_dataloader()))
+        x = module.prepare_batch(batch_inputs(batch).to(module.device)[:TRUST_BATCH])
+        metrics["trust"] = trust_figures(module, x)
+    return metrics
 
 
 def draw_samples(checkpoint: Path, out: Path, n: int, seed: int, options: list[str] = ()) -> None:
@@ -49,8 +61,8 @@ NICE = Family(
     title="NICE on MNIST",
     setting=("MNIST with the `logit_squeeze` transform (invertible: exact bits/dim), batch 128, sliced score "
              "matching, Adam 1e-4, the paper's sizes (4 couplings of width 1000; the reference design: 2). Test "
-             "log-likelihood and bits/dim on the 10,000 test images; test exact SM on the first 64 test images "
-             "(784 backward passes through the converged model)."),
+             "log-likelihood and bits/dim on the 10,000 test images; test exact SM on the first test images "
+             "(784 backward passes through the converged model each)."),
     iterations=840,  # two epochs of the 54,000 training images
     variants={
         "explicit": Variant("configs/nice/explicit.yaml", "shallow"),
@@ -61,9 +73,6 @@ NICE = Family(
     metrics=(Metric("bits_per_dim", "test bits/dim", False), Metric("log_likelihood", "test log-lik. (nats)", True),
              Metric("exact_sm", "test exact SM", False)),
     evaluate=evaluate_nice,
-    evaluation={"exact_sm_images": 64},
-    fit_options=("--model.init_args.loss=ssm", "--model.init_args.exact_sm_samples=32",
-                 "--trainer.limit_val_batches=8"),
     context=("NICE trained by maximum likelihood to convergence is reported at about 4.36 bits/dim on MNIST; these "
              "runs train by SSM for two epochs at budget 1 (a fraction of one at smaller budgets), so their "
              "bits/dim lie far above it."),
@@ -83,8 +92,9 @@ def evaluate_dkef(run_dir: Path, checkpoint: Path, variant: Variant, seed: int, 
 DKEF = Family(
     name="dkef",
     title="DKEF on UCI data",
-    setting=("RedWine, WhiteWine and Parkinsons (whitened; the log-likelihood is in the data's own units, the "
-             "whitening's Jacobian added), 200 centres, features of width 30, SSM-VR, Adam 1e-2, batch 200; the "
+    setting=("RedWine, WhiteWine and Parkinsons (whitened with a transform fitted on the training rows; the "
+             "log-likelihood is in the data's own units, the whitening's Jacobian added), 200 centres, features "
+             "of width 30, SSM-VR, Adam 1e-2, batch 200; the "
              "model evaluated is the family's final one (best validation weights, alpha on the whole training set, "
              "log lambda fine-tuned). log Z by importance sampling from a defensive mixture proposal (half the "
              "broad Gaussian N(0, 4 I), half Gaussians at the training points); its effective sample size is "
@@ -94,15 +104,15 @@ DKEF = Family(
         "explicit": Variant("configs/dkef/explicit_shallow.yaml", "shallow"),
         "explicit_deep": Variant("configs/dkef/explicit_deep.yaml", "deep"),
         "deq": Variant("configs/dkef/deq.yaml", "deq"),
+        "deq_faithful": Variant("configs/dkef/deq.yaml", "deq_faithful",
+                                ("--model.init_args.net.init_args.deq.init_args.phantom_steps=12",)),
         "deq_reference": Variant("configs/dkef/deq_reference.yaml", "deq_reference"),
     },
     metrics=(Metric("log_likelihood", "test log-lik. (nats / point)", True), Metric("exact_sm", "test exact SM",
                                                                                      False),
              Metric("log_z_ess", "ESS of log Z", True)),
     evaluate=evaluate_dkef,
-    evaluation={"log_z_samples": 1_000_000, "log_z_proposal": "mixture"},
     choices={"log_z_proposal": LOG_Z_PROPOSALS},
-    fit_options=("--model.init_args.log_z_samples=20000",),  # validation's log Z: the curve, not the result
     groups={name: (f"--data.init_args.dataset={name}", f"--data.init_args.root={data_root()}")
             for name in ("redwine", "whitewine", "parkinsons")},
 )
@@ -138,8 +148,6 @@ VAE = Family(
     },
     metrics=(Metric("ais_log_likelihood", "test AIS log-lik. (nats)", True), Metric("elbo", "test ELBO (nats)", True)),
     evaluate=evaluate_vae,
-    evaluation={"ais_images": 100, "ais_steps": 300, "ais_chains": 16},
-    fit_options=("--model.init_args.val_ais_steps=50",),
 )
 
 
@@ -159,12 +167,11 @@ NCSN = Family(
     name="ncsn",
     title="NCSN on MNIST",
     setting=("MNIST pixels in [0, 1], annealed DSM over 10 noise levels (1 to 0.01), base width 32, batch 64, Adam "
-             "1e-3; samples by annealed Langevin dynamics (5 steps per level, final denoising step) from the "
-             "trained weights: the configs' EMA 0.999 averages over about 1,000 steps, more than these runs train, "
-             "so its average would still be mostly the initial weights (`--set weights=averaged` samples from it). "
-             "KID (mean and standard deviation over 100 subsets) and FID@N of the same N samples against the "
-             "Inception features of the first MNIST training images; the untrained row is the DEQ network at "
-             "initialisation, through the same sampling and scoring."),
+             "1e-3; samples by annealed Langevin dynamics with the sampler and weights (trained or their EMA) the "
+             "protocol fixes; the learning curve is that of the scored weights. KID (mean and standard deviation "
+             "over 100 subsets) and FID@N of the same N samples against the Inception features of the first MNIST "
+             "training images; the untrained row is the DEQ network at initialisation, through the same sampling "
+             "and scoring."),
     iterations=600,
     variants={
         "explicit": Variant("configs/ncsn/explicit_mnist.yaml", "shallow"),
@@ -176,10 +183,7 @@ NCSN = Family(
     },
     metrics=(Metric("kid", "KID", False), Metric("fid", "FID@N", False)),
     evaluate=evaluate_ncsn,
-    evaluation={"samples": 1000, "reference": 5000, "weights": "trained"},
     choices={"weights": ("trained", "averaged")},
-    fit_options=("--model.init_args.net.init_args.ngf=32", "--data.init_args.batch_size=64",
-                 "--model.init_args.sampler.init_args.n_steps_each=5", "--trainer.limit_val_batches=4"),
 )
 
 FAMILIES = {family.name: family for family in (NICE, DKEF, VAE, NCSN)}

@@ -1,11 +1,13 @@
-"""The study's page, ``docs/results.md``, written from the recorded unit files alone: per family the setting and
-budget, the table (mean and standard error over seeds), the per-run facts, the figures (learning curves, test
-metric against activation memory, sample grids) and the answer to the paper's question, computed by the rule the
-protocol fixes. Nothing on the page is typed in by hand except the protocol's words.
+"""The study's page, ``docs/results.md``, written from the recorded unit files and the protocol alone: the
+protocol and its deviations, then per family the setting and budget, the table (mean and standard error over
+seeds), the non-inferiority verdict of every comparison (:mod:`.verdict`) with its converged / early-training
+mark, the DEQs' trust figures (:mod:`.trust`), the per-run facts and the figures (learning curves, test metric
+against activation memory, every seed's sample grid). Nothing on the page is typed in by hand.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -14,33 +16,22 @@ from pathlib import Path
 
 from ..units import mean_stderr
 from .core import ROOT, Family, summarise, value_of
+from .protocol import Protocol, check_units
+from .verdict import non_inferiority
 
 FACTS = ("parameters", "activation_memory_mb", "seconds_per_iteration", "solver_iterations", "solver_rel_residual",
          "ift_backward_failures")
 ESS_RELIABLE = 100  # effective draws below which an importance-sampling estimate is marked unreliable
 
-PROTOCOL = """\
-The comparisons were fixed before any test metric was seen, and no variant was tuned after one was. Every family:
-seeds 0, 1, 2; one budget for all variants of a family (iterations, batch, learning rate, data as in the family's
-configs); the final weights scored on the test split (DKEF: the model of its closing stage, from the best
-validation weights; NCSN: the trained weights, not their EMA average, a change made for every NCSN variant after
-the first NCSN samples had been seen, because the average spans more steps than the runs train);
-mean and standard error over seeds in every table; parameters, activation memory of one step, seconds per
-training iteration, the device, the solver's mean iterations and final residual, and the fraction of backward
-solves that missed their tolerance beside every run.
+DEQ_ROLES = ("deq", "deq_faithful")  # the networks the claim is about, each judged against the explicit ones
 
-**The claim holds** for a data set when the DEQ's test metric is better than the shallow explicit network's, or
-worse by less than one standard error of the difference of the two means (over seeds). The distance to the deep
-explicit network is stated the same way, and the memory beside it. NCSN's metric is KID; DKEF's is the test
-log-likelihood, and a DKEF run whose log Z rests on fewer than 100 effective draws is marked unreliable.
-"""
-
-
-def load_units(out: Path, family: Family) -> tuple[list[dict], int]:
+def load_units(out: Path, family: Family, protocol: Protocol) -> tuple[list[dict], int]:
     """The family's recorded units, in the family's group and variant order, then by seed, and how many were left
-    out: of several settings (budgets), only the units of the most common are kept (a table never mixes them)."""
+    out: of several settings (budgets), only the units of the most common are kept (a table never mixes them).
+    A unit of another protocol version, or of an edited protocol file, is refused (:class:`ProtocolError`)."""
     units = [json.loads(p.read_text()) for p in sorted((out / family.name).glob("*/*.json"))]
     units = [u for u in units if u["group"] in family.groups and u["variant"] in family.variants]
+    check_units(protocol, units)
     if not units:
         return [], 0
     common, _ = Counter(json.dumps(u["settings"], sort_keys=True) for u in units).most_common(1)[0]
@@ -48,6 +39,13 @@ def load_units(out: Path, family: Family) -> tuple[list[dict], int]:
     groups, variants = list(family.groups), list(family.variants)
     kept.sort(key=lambda u: (groups.index(u["group"]), variants.index(u["variant"]), u["seed"]))
     return kept, len(units) - len(kept)
+
+
+def on_protocol(family: Family, protocol: Protocol, settings: dict) -> bool:
+    """Whether units of ``settings`` ran as the protocol says (budget, evaluation, fit options, no extras)."""
+    entry = protocol.family(family.name)
+    return (settings["budget"] == entry["budget"] and settings["evaluation"] == entry["evaluation"]
+            and settings["fit"] == entry["fit"] and not settings["extra"])
 
 
 def fmt(value: float | None, digits: int = 3) -> str:
@@ -66,108 +64,93 @@ def mean_cell(summary: dict, key: str, digits: int = 3) -> str:
     return f"{fmt(cell['mean'], digits)}{stderr}"
 
 
-def compare(family: Family, summaries: dict[str, dict], a: str, b: str) -> dict | None:
-    """``a`` against ``b`` on the family's first metric: the difference of means oriented so that positive is
-    better for ``a``, its standard error, and whether ``a`` is better or within one standard error."""
-    key = family.metrics[0].key
-    if key not in summaries.get(a, {}) or key not in summaries.get(b, {}):
-        return None
-    sa, sb = summaries[a][key], summaries[b][key]
-    sign = 1.0 if family.metrics[0].higher_is_better else -1.0
-    diff = sign * (sa["mean"] - sb["mean"])
-    se = None if sa["stderr"] is None or sb["stderr"] is None else math.hypot(sa["stderr"], sb["stderr"])
-    return {"diff": diff, "stderr": se, "holds": diff >= 0 or (se is not None and diff >= -se)}
-
-
-def better_or_worse(comparison: dict) -> str:
-    return "better" if comparison["diff"] >= 0 else "worse"
-
-
 def variant_of_role(family: Family, role: str) -> str | None:
     return next((name for name, v in family.variants.items() if v.role == role), None)
 
 
-def claim(family: Family, summaries: dict[str, dict]) -> dict | None:
-    """The protocol's comparisons on one data set: the DEQ against the shallow and the deep explicit networks on
-    the family's first metric, whether the claim holds (None: not judged, a single seed on a side or networks
-    still no better than the untrained one: ``still_noise``), and the DEQ's activation memory as a fraction of
-    theirs; None when the DEQ or the shallow network has no run."""
-    deq, shallow, deep = (variant_of_role(family, r) for r in ("deq", "shallow", "deep"))
-    vs_shallow = compare(family, summaries, deq, shallow)
-    if vs_shallow is None:
-        return None
-    memory = {name: summaries.get(name, {}).get("activation_memory_mb", {}).get("mean")
-              for name in (deq, shallow, deep)}
-    ratio = {name: memory[deq] / memory[name] if memory[deq] and memory[name] else None for name in (shallow, deep)}
-    judged = None if vs_shallow["stderr"] is None else vs_shallow["holds"]  # one seed: better or not, noise unknown
-    still_noise = learnt(family, summaries)[0] is False  # then the comparison says nothing about the claim
-    if still_noise:
-        judged = None
-    return {"vs_shallow": vs_shallow, "vs_deep": compare(family, summaries, deq, deep), "holds": judged,
-            "still_noise": still_noise,
-            "memory_vs_shallow": ratio[shallow], "memory_vs_deep": ratio[deep],
-            "seeds": (len(summaries[deq]["seeds"]), len(summaries[shallow]["seeds"]))}
+def per_seed(units: list[dict], group: str, variant: str | None, key: str) -> list[float]:
+    return [v for u in units if (u["group"], u["variant"]) == (group, variant) and (v := value_of(u, key)) is not None]
 
 
-def judged_word(result: dict) -> str:
-    return {True: "holds", False: "does not hold", None: "cannot be judged"}[result["holds"]]
-
-
-def verdict(family: Family, group: str, summaries: dict[str, dict]) -> str:
-    """The paragraph answering the paper's question for one data set, from the numbers alone."""
+def comparisons(family: Family, protocol: Protocol, units: list[dict], group: str,
+                summaries: dict[str, dict]) -> list[dict]:
+    """Every DEQ variant against the shallow and the deep explicit networks on one data set: the non-inferiority
+    test at the protocol's margin (None with fewer than two seeds a side) and the DEQ's activation memory as a
+    fraction of the other's."""
     metric = family.metrics[0]
-    result = claim(family, summaries)
-    if result is None:
-        return " ".join([f"{group}: not enough runs recorded to compare the DEQ with the shallow network.",
-                         *untrained_check(family, summaries)])
-    vs_shallow, vs_deep = result["vs_shallow"], result["vs_deep"]
-    if vs_shallow["stderr"] is None:
-        se = " (a single seed on one side: no standard error)"
-    else:
-        se = f" ± {fmt(vs_shallow['stderr'])} (difference of means ± its standard error)"
-    parts = [f"On {group}, the DEQ's {metric.label} is {better_or_worse(vs_shallow)} than the shallow explicit "
-             f"network's by {fmt(abs(vs_shallow['diff']))}{se}: the claim {judged_word(result)} here."]
-    if vs_deep is not None:
-        se = "" if vs_deep["stderr"] is None else f" ± {fmt(vs_deep['stderr'])}"
-        parts.append(f"Against the deep explicit network it is {better_or_worse(vs_deep)} by "
-                     f"{fmt(abs(vs_deep['diff']))}{se}.")
-    if result["memory_vs_shallow"] is not None:
-        deep_ratio = "" if result["memory_vs_deep"] is None else f" and {result['memory_vs_deep']:.2f} x the deep one's"
-        parts.append(f"Its activation memory per step is {result['memory_vs_shallow']:.2f} x the shallow "
-                     f"network's{deep_ratio}.")
-    return " ".join([*parts, *untrained_check(family, summaries)])
+    shallow, deep = variant_of_role(family, "shallow"), variant_of_role(family, "deep")
+    shallow_mean = summaries.get(shallow, {}).get(metric.key, {}).get("mean")
+    margin = protocol.margin(family.name, shallow_mean)
+    memory = {name: s.get("activation_memory_mb", {}).get("mean") for name, s in summaries.items()}
+    out = []
+    for deq in (n for n, v in family.variants.items() if v.role in DEQ_ROLES and n in summaries):
+        for other in (n for n in (shallow, deep) if n in summaries):
+            deq_values, other_values = (per_seed(units, group, n, metric.key) for n in (deq, other))
+            if not deq_values or not other_values:
+                continue
+            test = None if margin is None else non_inferiority(deq_values, other_values, margin,
+                                                               metric.higher_is_better)
+            ratio = memory[deq] / memory[other] if memory.get(deq) and memory.get(other) else None
+            out.append({"deq": deq, "other": other, "role": family.variants[other].role, "test": test,
+                        "margin": margin, "memory_ratio": ratio, "seeds": (len(deq_values), len(other_values))})
+    return out
 
 
-def learnt(family: Family, summaries: dict[str, dict]) -> tuple[bool | None, dict | None]:
-    """Whether the best trained variant is clearly (three standard errors) better than the untrained network, and
-    that variant's summary; (None, None) where the family has no untrained run, (None, best) with a single seed."""
-    metric = family.metrics[0]
-    untrained = variant_of_role(family, "untrained")
-    trained = [s for name, s in summaries.items() if name != untrained and metric.key in s]
-    if untrained not in summaries or metric.key not in summaries[untrained] or not trained:
-        return None, None
-    best = (max if metric.higher_is_better else min)(trained, key=lambda s: s[metric.key]["mean"])
-    gap = compare(family, summaries, best["variant"], untrained)
-    return (None if gap["stderr"] is None else gap["diff"] > 3 * gap["stderr"]), best
+def flattened(protocol: Protocol, units: list[dict], group: str, variant: str | None) -> tuple[bool | None, float]:
+    """Whether ``variant``'s validation curve (mean over seeds) has flattened by the protocol's definition, and its
+    relative improvement over the last window of training; (None, nan) without two common validation points."""
+    rule = protocol.text["flattened"]
+    series = [dict(u["value"]["curves"].get("val/loss", [])) for u in units
+              if (u["group"], u["variant"]) == (group, variant) and u["value"]["iterations"]]
+    steps = sorted(set.intersection(*(set(s) for s in series))) if series else []
+    if len(steps) < 2:
+        return None, math.nan
+    mean = {t: sum(s[t] for s in series) / len(series) for t in steps}
+    last = steps[-1]
+    earlier = min(steps[:-1], key=lambda t: abs(t - (1 - rule["window"]) * last))
+    improvement = (mean[earlier] - mean[last]) / max(abs(mean[last]), 1e-30)
+    return improvement < rule["below"], improvement
 
 
-def untrained_check(family: Family, summaries: dict[str, dict]) -> list[str]:
-    """The sentence on :func:`learnt`: without it, a comparison of the variants may be one between networks that
-    are still noise."""
-    clearly, best = learnt(family, summaries)
-    if best is None:
+def comparison_row(family: Family, group: str, c: dict, training: str) -> str:
+    """One row of a comparison table (also the summary's, with the family in front)."""
+    test = c["test"]
+    ratio = "–" if c["memory_ratio"] is None else f"{c['memory_ratio']:.2f}"
+    if test is None:
+        why = "margin unknown" if c["margin"] is None else "fewer than two seeds a side"
+        return (f"| {group} | {c['deq']} vs {c['other']} ({c['role']}) | {c['seeds'][0]} / {c['seeds'][1]} | – | – "
+                f"| – | – | {fmt(c['margin'])} | **not judged** ({why}) | {training} | {ratio} |")
+    needed = f"; {test.seeds_needed} seeds per arm would decide" if test.seeds_needed else ""
+    return (f"| {group} | {c['deq']} vs {c['other']} ({c['role']}) | {c['seeds'][0]} / {c['seeds'][1]} | "
+            f"{test.d:+.3g} ± {test.se:.2g} | {test.df:.1f} | {test.lower:+.3g} | {test.supported_margin:.3g} | "
+            f"{fmt(c['margin'])} | **{test.verdict}**{needed} | {training} | {ratio} |")
+
+
+COMPARISON_HEADER = ["| data | comparison | seeds (DEQ / other) | d ± se (positive: DEQ better) | Welch df | L (95 %) "
+                     "| supported margin (-L) | margin | verdict | training | DEQ memory / other |",
+                     "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+
+def training_mark(converged: bool | None, improvement: float) -> str:
+    if converged is None:
+        return "no curve"
+    if improvement < 0:  # past its best: the val loss rose over the last fifth
+        return "converged (val loss rose over the last fifth)"
+    return f"{'converged' if converged else 'early-training'} ({improvement:+.1%} over the last fifth)"
+
+
+def control_sentence(family: Family, protocol: Protocol, summaries: dict[str, dict]) -> list[str]:
+    """The untrained network as a control (never an override of the verdict): each trained variant's metric as a
+    fraction of the untrained network's, against the protocol's criterion."""
+    untrained, metric = variant_of_role(family, "untrained"), family.metrics[0]
+    base = summaries.get(untrained, {}).get(metric.key, {}).get("mean")
+    if not base:
         return []
-    metric, untrained = family.metrics[0], variant_of_role(family, "untrained")
-    if clearly is None:
-        judged = "a single seed on one side, so whether the variants learnt something cannot be judged."
-    elif clearly:
-        judged = "better by more than three standard errors: the variants learnt something measurable, which is " \
-                 "not to say their samples look like the data (see the grids)."
-    else:
-        judged = "not clearly better, so this comparison is between networks that are still noise and says " \
-                 "nothing about the claim."
-    return [f"The best trained variant ({best['variant']}, {mean_cell(best, metric.key)}) against the "
-            f"untrained network ({mean_cell(summaries[untrained], metric.key)}): {judged}"]
+    ratios = [f"{name} {s[metric.key]['mean'] / base:.2f}" for name, s in summaries.items()
+              if name != untrained and metric.key in s]
+    criterion = protocol.family(family.name).get("control", "")
+    return [f"Control: each trained variant's {metric.label} as a fraction of the untrained network's "
+            f"({fmt(base)}): {', '.join(ratios) or 'no trained run yet'}. {criterion}"]
 
 
 def pyplot():
@@ -234,12 +217,13 @@ def plot_quality_memory(family: Family, summaries: list[dict], path: Path) -> No
     plt.close(fig)
 
 
-def family_section(family: Family, units: list[dict], out: Path, page: Path,
+def family_section(family: Family, units: list[dict], out: Path, page: Path, protocol: Protocol,
                    left_out: int = 0) -> tuple[list[str], list[str]]:
     """The page's section of one family (figures written under ``out/<family>/``) and its rows of the summary."""
     if not units:
-        return [f"## {family.title}", "", f"No runs recorded yet: `python -m deqscore.bench.study --family "
-                f"{family.name} --seeds 0,1,2`.", ""], [f"| {family.title} | – | no runs yet | | | | |"]
+        return [f"## {family.title}", "", f"No runs recorded under protocol v{protocol.version} yet: `python -m "
+                f"deqscore.bench.study --family {family.name}`.", ""], [f"| {family.title} | – | no runs yet |" +
+                                                                        " |" * 9]
     rel = lambda p: relative(p, page)  # noqa: E731
     settings = units[0]["settings"]
     keys = [m.key for m in family.metrics] + list(FACTS)
@@ -249,9 +233,11 @@ def family_section(family: Family, units: list[dict], out: Path, page: Path,
              f"* **budget**: {settings['budget']} x the default, {settings['iterations']:,} training iterations "
              f"per run; evaluation {settings['evaluation'] or 'as configured'}"
              + (f"; extra arguments `{' '.join(settings['extra'])}`" if settings["extra"] else ""),
-             f"* **device**: {', '.join(devices)}",
-             f"* **command**: `python -m deqscore.bench.study --family {family.name} --seeds "
-             f"{','.join(map(str, sorted({u['seed'] for u in units})))} --budget {settings['budget']}`",
+             f"* **protocol**: v{protocol.version}" + ("" if on_protocol(family, protocol, settings) else
+                                                      ", **off-protocol settings** (a trial: not evidence)"),
+             f"* **device**: {', '.join(devices)}" + (" (time figures from different CPU models are not "
+                                                     "comparable)" if len(devices) > 1 else ""),
+             f"* **command**: `python -m deqscore.bench.study --family {family.name}`",
              *([f"* **context (not comparable)**: {family.context}"] if family.context else []),
              *([f"* **left out**: {left_out} unit files recorded with other settings"] if left_out else []), ""]
     header = [m.label for m in family.metrics]
@@ -275,7 +261,20 @@ def family_section(family: Family, units: list[dict], out: Path, page: Path,
               "one training step saves for backward. s / iteration: wall clock of `train.py fit` over its "
               "iterations, validation and checkpointing included (DKEF: also its closing stage), on a machine "
               "shared with other jobs: a rough figure; the benchmarks measure speed.", ""]
-    lines += per_run_table(family, units)
+    by_group: dict[str, dict[str, dict]] = {}
+    for s in summaries:
+        by_group.setdefault(s["group"], {})[s["variant"]] = s
+    rows, table = [], []
+    for group, group_summaries in by_group.items():
+        mark = training_mark(*flattened(protocol, units, group, variant_of_role(family, "shallow")))
+        for c in comparisons(family, protocol, units, group, group_summaries):
+            table.append(comparison_row(family, group, c, mark))
+            rows.append(f"| {family.title} | " + table[-1][2:])
+    lines += [f"**The verdicts** ({family.metrics[0].label}, margin {margin_text(family, protocol)}):", "",
+              *COMPARISON_HEADER, *(table or ["| – | no comparison recorded yet |" + " |" * 9]), ""]
+    for group_summaries in by_group.values():
+        lines += control_sentence(family, protocol, group_summaries)
+    lines += ["", *trust_table(family, units, protocol), *per_run_table(family, units)]
     figures = out / family.name
     for group in family.groups:
         if any(u["group"] == group for u in units):
@@ -284,24 +283,48 @@ def family_section(family: Family, units: list[dict], out: Path, page: Path,
     plot_quality_memory(family, summaries, figures / "quality_vs_memory.png")
     lines += [f"![{family.title}: test metric against memory]({rel(figures / 'quality_vs_memory.png')})", ""]
     lines += sample_grids(family, units, out, rel)
-    by_group: dict[str, dict[str, dict]] = {}
-    for s in summaries:
-        by_group.setdefault(s["group"], {})[s["variant"]] = s
-    lines += ["**What the measurements say.** " + " ".join(verdict(family, g, v) for g, v in by_group.items()), ""]
-    return lines, [summary_row(family, group, summaries) for group, summaries in by_group.items()]
+    return lines, rows
 
 
-def summary_row(family: Family, group: str, summaries: dict[str, dict]) -> str:
-    result = claim(family, summaries)
-    if result is None:
-        return f"| {family.title} | {group} | not enough runs | | | | |"
-    word = "cannot be judged: still noise" if result["still_noise"] else judged_word(result)
-    diff = result["vs_shallow"]
-    cell = f"{diff['diff']:+.3g}" + ("" if diff["stderr"] is None else f" ± {diff['stderr']:.2g}")
-    ratio = lambda r: "–" if r is None else f"{r:.2f}"  # noqa: E731
-    return (f"| {family.title} | {group} | {family.metrics[0].label} | {result['seeds'][0]} / {result['seeds'][1]} | "
-            f"{cell} | **{word}** | {ratio(result['memory_vs_shallow'])} / "
-            f"{ratio(result['memory_vs_deep'])} |")
+def margin_text(family: Family, protocol: Protocol) -> str:
+    entry = protocol.family(family.name)
+    if "margin" in entry:
+        return f"{entry['margin']} {entry['margin_unit']}"
+    return f"{entry['margin_relative_to_shallow']:.0%} of the shallow network's mean"
+
+
+def trust_table(family: Family, units: list[dict], protocol: Protocol) -> list[str]:
+    """Mean over seeds of each DEQ variant's trust figures; a variant whose training gradient is further from the
+    exact one than the protocol allows is marked."""
+    threshold = protocol.text["trust"]["faithful_below"]
+    runs = [u for u in units if u["value"].get("trust")]
+    if not runs:
+        return []
+    lines = ["**Trust figures** (final weights, first test batch; mean over seeds, max over seeds in brackets):", "",
+             "| data | variant | seeds | contraction | K | contraction^K | derivative error | objective error | "
+             "gradient error | capped solves (test / training) | unrolled solve converged | faithful |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for group, name in dict.fromkeys((u["group"], u["variant"]) for u in runs):
+        figures = [u["value"]["trust"] for u in runs if (u["group"], u["variant"]) == (group, name)]
+        cell = functools.partial(trust_cell, figures)
+
+        worst = max(f["gradient_rel_error"] for f in figures)
+        faithful = "yes" if worst < threshold else f"**no** (> {threshold:.0%})"
+        lines.append(f"| {group} | {name} | {len(figures)} | {cell('contraction')} | {figures[0]['phantom_steps']} | "
+                     f"{cell('neumann_remainder')} | {cell('derivative_rel_error', True)} | "
+                     f"{cell('objective_rel_error', True)} | {cell('gradient_rel_error', True)} | "
+                     f"{cell('capped_solves', True)} / {cell('capped_solves_training', True)} | "
+                     f"{sum(f['exact_converged'] for f in figures)} of {len(figures)} | {faithful} |")
+    return [*lines, ""]
+
+
+def trust_cell(figures: list[dict], key: str, percent: bool = False) -> str:
+    """Mean over runs of one trust figure, the largest in brackets."""
+    values = [f[key] for f in figures if f.get(key) is not None]
+    if not values:
+        return "–"
+    show = (lambda v: f"{v:.1%}") if percent else fmt  # noqa: E731
+    return f"{show(sum(values) / len(values))} ({show(max(values))})"
 
 
 def per_run_table(family: Family, units: list[dict]) -> list[str]:
@@ -309,15 +332,19 @@ def per_run_table(family: Family, units: list[dict]) -> list[str]:
     subsets) and solver facts; a log Z resting on fewer than :data:`ESS_RELIABLE` effective draws is flagged."""
     keys = [m.key for m in family.metrics]
     lines = ["<details><summary>Every run</summary>", "",
-             "| data | variant | seed | " + " | ".join(keys + ["solver iterations", "final rel. residual"]) + " |",
-             "|" + "---|" * (5 + len(keys))]
+             "| data | variant | seed | device | " + " | ".join(keys + ["solver iterations", "final rel. residual",
+                                                                   "gradient error"]) + " |",
+             "|" + "---|" * (7 + len(keys))]
     for u in units:
         cells = [fmt(value_of(u, k)) + spread(u, k) for k in keys]
         ess = value_of(u, "log_z_ess")
         if ess is not None and ess < ESS_RELIABLE:
             cells[0] += " (unreliable: ESS < 100)"
-        lines.append(f"| {u['group']} | {u['variant']} | {u['seed']} | {' | '.join(cells)} | "
-                     f"{fmt(value_of(u, 'solver_iterations'), 1)} | {fmt(value_of(u, 'solver_rel_residual'))} |")
+        trust = u["value"].get("trust") or {}
+        error = trust.get("gradient_rel_error")
+        lines.append(f"| {u['group']} | {u['variant']} | {u['seed']} | {u['device']} | {' | '.join(cells)} | "
+                     f"{fmt(value_of(u, 'solver_iterations'), 1)} | {fmt(value_of(u, 'solver_rel_residual'))} | "
+                     f"{'–' if error is None else f'{error:.1%}'} |")
     return lines + ["", "</details>", ""]
 
 
@@ -327,37 +354,71 @@ def spread(unit: dict, key: str) -> str:
 
 
 def sample_grids(family: Family, units: list[dict], out: Path, rel) -> list[str]:
-    """The first seed's sample grid of each variant, side by side."""
-    cells = []
+    """The sample grid of every seed of every variant: one row per variant."""
+    rows = []
     for name in family.variants:
-        runs = [u for u in units if u["variant"] == name]
-        if runs:
-            grid = out / family.name / runs[0]["group"] / f"{name}_s{runs[0]['seed']}.png"
-            if grid.exists():
-                cells.append((f"{name} (seed {runs[0]['seed']})", f"![{name}]({rel(grid)})"))
-    if not cells:
+        cells = [f"![{name} seed {u['seed']}]({rel(grid)})" for u in units if u["variant"] == name
+                 and (grid := out / family.name / u["group"] / f"{name}_s{u['seed']}.png").exists()]
+        if cells:
+            rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    if not rows:
         return []
-    return ["| " + " | ".join(c[0] for c in cells) + " |", "|" + "---|" * len(cells),
-            "| " + " | ".join(c[1] for c in cells) + " |", ""]
+    width = max(row.count(" | ") for row in rows)
+    return ["Samples, every seed (columns: seeds in order):", "", "| variant |" + " |" * width,
+            "|" + "---|" * (width + 1), *rows, ""]
 
 
-def write_page(out: Path, page: Path, families: list[Family]) -> str:
-    """``page`` from the unit files under ``out``; the markdown."""
+def protocol_section(protocol: Protocol) -> list[str]:
+    """The protocol as the file states it: rule, definitions and each family's fixed settings."""
+    text, rule = protocol.text, protocol.text["rule"]
+    lines = ["## Protocol", "",
+             f"Version {protocol.version}: `{rel_to_root(protocol.path)}` (SHA-256 `{protocol.sha256}`), fixed "
+             f"{text['fixed']}. Every unit on this page records this version and hash; the report refuses units "
+             "of any other, and a change to the file is a new version with its deviations listed below.", "",
+             f"**The question.** {text['question']}", "",
+             f"**The rule.** {rule['test']}. At the family's margin: **holds** when {rule['holds']}; **fails** "
+             f"when {rule['fails']}; **inconclusive** {rule['inconclusive']}. alpha = {rule['alpha']} one-sided; "
+             f"at least {rule['minimum_seeds']} seeds a side. The same test against the deep explicit network. "
+             "The supported margin (-L) is the smallest margin at which the comparison would hold.", "",
+             f"**Converged or early-training.** {text['flattened']['definition']}.", "",
+             f"**Trust figures.** {text['trust']['what']}.", "",
+             "| family | metric | better | margin | budget | seeds | evaluation | fit options | notes |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, entry in text["families"].items():
+        notes = "; ".join(entry[k] for k in ("faithful", "sampler", "control") if k in entry)
+        seeds = ", ".join(f"{v} {n}" for v, n in entry["seeds"].items())
+        margin = (f"{entry['margin']} {entry['margin_unit']}" if "margin" in entry else
+                  f"{entry['margin_relative_to_shallow']:.0%} of the shallow {entry['margin_unit']}")
+        lines.append(f"| {name} | {entry['metric']} | {'higher' if entry['higher_is_better'] else 'lower'} | "
+                     f"{margin} | {entry['budget']} x | {seeds} | {entry['evaluation']} | "
+                     f"`{' '.join(entry['fit'])}` | {notes} |")
+    return [*lines, ""]
+
+
+def deviations_section(protocol: Protocol) -> list[str]:
+    lines = ["## Deviations", "", "Every change to how the study is run or judged, with the version it belongs "
+             "to and whether it was made before or after results were seen.", "",
+             "| version | decided | change |", "|---|---|---|"]
+    lines += [f"| {d['version']} | {d['seen']} | {d['change']} |" for d in protocol.text["deviations"]]
+    return [*lines, ""]
+
+
+def write_page(out: Path, page: Path, families: list[Family], protocol: Protocol) -> str:
+    """``page`` from the unit files under ``out``, judged by ``protocol``; the markdown."""
+    sections, rows = [], []
+    for family in families:
+        units, left_out = load_units(out, family, protocol)
+        section, family_rows = family_section(family, units, out, page, protocol, left_out)
+        sections += section
+        rows += family_rows
     lines = ["# Results: the reproduction study", "",
              "Written by `python -m deqscore.bench.study --report` from the unit files under "
              f"`{rel_to_root(out)}/` (one per family, data set, variant and seed); do not edit by hand. Benchmarks of "
-             "speed and memory: [benchmarks.md](benchmarks.md). The question, from the paper: at the same budget, "
-             "does a DEQ score network reach the quality of an explicit one, and how close does it come to a "
-             "deeper explicit one, at what memory?", "", "## Protocol", "", PROTOCOL]
-    sections, rows = [], []
-    for family in families:
-        units, left_out = load_units(out, family)
-        section, family_rows = family_section(family, units, out, page, left_out)
-        sections += section
-        rows += family_rows
-    lines += ["## Summary", "",
-              "| family | data | metric | seeds (DEQ / shallow) | DEQ - shallow (positive: DEQ better) | the claim | "
-              "DEQ memory / shallow, / deep |", "|---|---|---|---|---|---|---|", *rows, "", *sections]
+             "speed and memory: [benchmarks.md](benchmarks.md).", "",
+             "## Summary", "", "Every comparison's non-inferiority verdict at the protocol's margin, the smallest "
+             "margin the data support, and whether the shallow network's curve had flattened.", "",
+             "| family " + COMPARISON_HEADER[0], "|---" + COMPARISON_HEADER[1], *rows, "",
+             *protocol_section(protocol), *deviations_section(protocol), *sections]
     lines += ["## Memory against depth", "",
               "Explicit stacks of each family's own DEQ block against the DEQ (`python -m deqscore.bench --sections "
               "depth`); see [benchmarks.md](benchmarks.md#memory-against-depth-per-family).", ""]

@@ -1,0 +1,95 @@
+"""The study's protocol: a versioned file, committed before any run it governs (``benchmarks/protocol/v<N>.json``).
+
+It fixes, per family, the primary metric and its direction, the non-inferiority margin, the budget, the seeds of
+every variant, the evaluation sizes and the fit options (the sampler's included); and, for all families, the rule
+(:mod:`.verdict`), the definition of a flattened curve and the trust figures' threshold. Every unit records the
+protocol's version and the SHA-256 of its file; the report refuses units of another version or of an edited file
+(a change is a new version, with its deviations listed in the file).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .core import ROOT
+
+PROTOCOL_DIR = ROOT / "benchmarks" / "protocol"
+
+
+class ProtocolError(ValueError):
+    """A protocol file that cannot be used, or units that do not belong to it."""
+
+
+@dataclass(frozen=True)
+class Protocol:
+    version: int
+    sha256: str
+    path: Path
+    text: dict[str, Any]
+
+    @property
+    def stamp(self) -> dict[str, Any]:
+        """What a unit records of the protocol it ran under."""
+        return {"version": self.version, "sha256": self.sha256}
+
+    def family(self, name: str) -> dict[str, Any]:
+        try:
+            return self.text["families"][name]
+        except KeyError:
+            raise ProtocolError(f"{self.path}: no entry for family {name!r}") from None
+
+    def seeds(self, family: str, variant: str) -> list[int]:
+        """The seeds of ``variant`` (seeds 0 .. n-1); none for a variant the protocol does not run."""
+        return list(range(self.family(family)["seeds"].get(variant, 0)))
+
+    def margin(self, family: str, shallow_mean: float | None = None) -> float | None:
+        """The family's non-inferiority margin; a relative margin needs the shallow network's mean (None
+        without it)."""
+        entry = self.family(family)
+        if "margin" in entry:
+            return float(entry["margin"])
+        return None if shallow_mean is None else entry["margin_relative_to_shallow"] * abs(shallow_mean)
+
+    @property
+    def validations(self) -> int:
+        return int(self.text["validations"])
+
+
+def newest(directory: Path = PROTOCOL_DIR) -> Path:
+    """The protocol file of the highest version in ``directory``."""
+    files = [(int(m.group(1)), p) for p in directory.glob("v*.json") if (m := re.fullmatch(r"v(\d+)\.json", p.name))]
+    if not files:
+        raise ProtocolError(f"no protocol file (v<N>.json) in {directory}")
+    return max(files)[1]
+
+
+def load(path: Path | None = None) -> Protocol:
+    """The protocol at ``path`` (default: :func:`newest`); its version must match its file name."""
+    path = Path(path) if path is not None else newest()
+    try:
+        raw = path.read_bytes()
+        text = json.loads(raw)
+    except (OSError, json.JSONDecodeError) as err:
+        raise ProtocolError(f"--protocol {path}: {err}") from None
+    version = text.get("version")
+    if not isinstance(version, int) or path.name != f"v{version}.json":
+        raise ProtocolError(f"--protocol {path}: holds version {version!r}; a protocol is named v<version>.json")
+    return Protocol(version, hashlib.sha256(raw).hexdigest(), path, text)
+
+
+def check_units(protocol: Protocol, units: list[dict]) -> None:
+    """Refuse units recorded under another protocol version or another file of this version."""
+    foreign = [u for u in units if u["settings"].get("protocol") != protocol.stamp]
+    if foreign:
+        first = foreign[0]
+        stamp = first["settings"].get("protocol") or "no protocol"
+        raise ProtocolError(
+            f"{len(foreign)} unit(s) were not recorded under protocol v{protocol.version} ({protocol.sha256[:12]}), "
+            f"e.g. {first['family']}/{first['group']}/{first['variant']}_s{first['seed']} "
+            f"({stamp}); a comparison never mixes versions: move them aside or "
+            f"report them under their own protocol")
