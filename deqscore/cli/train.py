@@ -13,6 +13,7 @@ import importlib.util
 import math
 import os
 import re
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -27,7 +28,7 @@ from ..deq import DEQ
 from ..errors import ConfigError
 from ..lightning import family_registry
 from ..lightning.base import CODEC_KEY, FAMILY_KEY, CheckpointFamilyError, ScoreModule
-from ..lightning.callbacks import ConfiguredOptimizerOptions, SaveOnInterrupt
+from ..lightning.callbacks import ConfiguredOptimizerOptions, Preempted, SaveOnInterrupt
 from ..lightning.checkpoint import read_checkpoint
 from ..lightning.runs import (
     AtomicCheckpointIO,
@@ -198,6 +199,8 @@ class DeqscoreCLI(LightningCLI):
         cfg = self.config[subcommand]
         run_dir = Path(cfg.runs_root) / cfg.run_name
         self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        if subcommand == "fit":  # on every rank: the ranks agree at each batch's end whether to stop
+            self.trainer.callbacks.append(SaveOnInterrupt())
         if launch_rank() != 0:  # DDP workers, on this node or another: global rank zero holds the directory
             return super()._run_subcommand(subcommand)
         check_writable_run_dir(run_dir)  # before anything is written: one message naming the path
@@ -205,8 +208,6 @@ class DeqscoreCLI(LightningCLI):
             if hasattr(part, "check_run"):
                 part.check_run(self.trainer, self.datamodule)
         with RunLock(run_dir):
-            if subcommand == "fit":
-                self.trainer.callbacks.append(SaveOnInterrupt())
             if subcommand == "fit" and cfg.get("ckpt_path"):
                 self._continue_run(run_dir, cfg)
             elif subcommand == "fit":
@@ -370,12 +371,19 @@ def main(args: list[str] | None = None) -> DeqscoreCLI:
     return DeqscoreCLI(args=args)  # the families are registered by importing deqscore.lightning
 
 
+PREEMPTED = 128 + signal.SIGTERM  # the exit status of a run stopped by SIGTERM or SIGUSR1, its state saved
+
+
 def run(args: list[str] | None = None) -> int:
     """``train.py``: :func:`main`, with usage mistakes reported as one message and exit status 2."""
     try:
         main(args)
     except UsageError as err:
         return err.code
+    except Preempted as err:  # the state is saved (SaveOnInterrupt said where)
+        print_error(f"preempted by {signal.Signals(err.signum).name}: the run's state is in its "
+                    "checkpoints/interrupted.ckpt; resume with --ckpt_path <run>/checkpoints/interrupted.ckpt")
+        return PREEMPTED
     except (ConfigError, DataNotFoundError, CorruptDataError) as err:  # found after parsing: no optimizer, no data
         print_error(str(err))
         return 2

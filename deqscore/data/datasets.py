@@ -113,20 +113,53 @@ class PreprocessedImageDataset(Dataset):
 
 class EpochShuffleSampler(torch.utils.data.Sampler[int]):
     """Random permutation of ``range(n)`` drawn from ``seed + epoch``: reproducible per epoch, so resuming
-    mid-training repeats the order an uninterrupted run would use. Lightning calls :meth:`set_epoch`."""
+    mid-training repeats the order an uninterrupted run would use. Lightning calls :meth:`set_epoch`; a resume in
+    the middle of an epoch starts the next iteration ``skip`` indices in (:class:`ResumableLoader`)."""
 
     def __init__(self, n: int, seed: int = 0) -> None:
-        self.n, self.seed, self.epoch = n, seed, 0
+        self.n, self.seed, self.epoch, self.skip = n, seed, 0, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.n, generator=generator).tolist())
+        start, self.skip = self.skip, 0
+        return iter(torch.randperm(self.n, generator=generator)[start:].tolist())
 
     def __len__(self) -> int:
         return self.n
+
+
+class ResumableLoader(DataLoader):
+    """The training DataLoader, resumable within an epoch: its state (the epoch and the batches it has yielded in
+    it) is saved with every checkpoint (Lightning's stateful-loader protocol), and a loader restored from one skips
+    those batches of the epoch, so a run resumed from a checkpoint saved between two batches trains on exactly the
+    batches an uninterrupted run would (Lightning does not prefetch from a loader with a length, and counts the
+    epoch's batches done on a restart, so its length stays the epoch's)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._yielded = 0  # batches of the current epoch, those skipped at a resume included
+        self._resumed: int | None = None  # batches to skip in the next iteration
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.sampler.epoch, "batches": self._yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["batches"] >= super().__len__():  # saved at the epoch's last batch: the next epoch starts afresh
+            return
+        self.sampler.set_epoch(state["epoch"])
+        self._resumed = state["batches"]
+
+    def __iter__(self):
+        skip, self._resumed = self._resumed or 0, None
+        self.sampler.skip = skip * self.batch_size  # full batches only: training drops the last partial one
+        iterator = super().__iter__()
+        self._yielded = skip
+        for batch in iterator:
+            self._yielded += 1
+            yield batch
 
 
 def epoch_loader(
@@ -135,7 +168,7 @@ def epoch_loader(
 ) -> DataLoader:
     """A DataLoader of ``dataset``: training batches in an :class:`EpochShuffleSampler` order seeded by ``seed``
     (``drop_last`` defaults to ``train``), evaluation batches in order."""
-    return DataLoader(
+    return (ResumableLoader if train else DataLoader)(
         dataset,
         batch_size=batch_size,
         sampler=EpochShuffleSampler(len(dataset), seed) if train else None,

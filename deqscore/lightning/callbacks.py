@@ -4,6 +4,8 @@ optimiser options applied over those a resumed checkpoint restored."""
 from __future__ import annotations
 
 import csv
+import signal
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -124,13 +126,78 @@ def plot_learning_curves(csv_path: str | Path, out: str | Path, metrics: tuple[s
     return Path(out)
 
 
+class Preempted(SystemExit):
+    """Training stopped by SIGTERM or SIGUSR1, its state saved (:class:`SaveOnInterrupt`)."""
+
+    def __init__(self, signum: int):
+        super().__init__(128 + signal.SIGTERM)
+        self.signum = signum
+
+
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
 class SaveOnInterrupt(pl.Callback):
-    """On Ctrl-C, save the interrupted state to ``<run>/checkpoints/interrupted.ckpt`` (resumable with
-    ``--ckpt_path``; ``last.ckpt`` keeps the last regular checkpoint)."""
+    """On Ctrl-C or preemption, save the interrupted state to ``<run>/checkpoints/interrupted.ckpt`` (resumable with
+    ``--ckpt_path``; ``last.ckpt`` keeps the last regular checkpoint).
+
+    Preemption is SIGTERM (a scheduler's stop) or SIGUSR1 (SLURM's warning before the time limit,
+    ``--signal=SIGUSR1@90``), taken over while training runs: the signal is noted, the batch under way finishes,
+    its state is saved at its end (at an epoch's last batch: at the epoch's end), and the fit stops before the next
+    batch (after that batch's log row). Those are where Lightning's own checkpoints are taken, so the resume
+    continues exactly (the training loader is resumable within an epoch,
+    :class:`~deqscore.data.datasets.ResumableLoader`). Lightning's own SIGTERM stop comes later, after the batch's
+    end hooks, and its SLURM handler saves in the middle of a step; both resume off by one step. With several
+    processes the ranks agree at every batch's end whether any was signalled (one small collective a step), so all
+    stop at the same batch. Requeueing is the batch script's (see the README)."""
+
+    def __init__(self) -> None:
+        self._signalled: int | None = None
+        self._saved = False  # the preempted state is written: stop before the next batch
+        self._previous: dict[int, object] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+            self._previous = {s: signal.signal(s, self._note) for s in PREEMPTION_SIGNALS}
+
+    def _note(self, signum: int, frame: object) -> None:
+        self._signalled = signum
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: object, batch: object,
+                           batch_idx: int) -> None:
+        if not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:  # the epoch's last: saved at its end
+            self._save_if_signalled(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self._save_if_signalled(trainer)  # where an end-of-epoch checkpoint is taken (it resumes as one)
+
+    def _save_if_signalled(self, trainer: pl.Trainer) -> None:
+        if self._saved:
+            return
+        if trainer.world_size > 1:  # every rank stops at the same batch, whichever got the signal (a collective)
+            if trainer.strategy.reduce_boolean_decision(self._signalled is not None, all=False):
+                self._signalled = self._signalled or signal.SIGTERM
+        if self._signalled is None:
+            return
+        path = run_dir(trainer) / "checkpoints" / "interrupted.ckpt"
+        trainer.save_checkpoint(path)
+        self._saved = True
+        rank_zero_info(f"preempted ({signal.Signals(self._signalled).name}) after step {trainer.global_step}: state "
+                       f"saved to {path} (resume: --ckpt_path {path})")
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: object,
+                             batch_idx: int) -> None:
+        if self._saved:
+            raise Preempted(self._signalled)
+
+    def teardown(self, trainer: pl.Trainer, module: pl.LightningModule, stage: str) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
 
     def on_exception(self, trainer: pl.Trainer, module: pl.LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, KeyboardInterrupt) or trainer.state.fn != "fit":
-            return
+            return  # a preemption saved its state at the batch's end
         path = run_dir(trainer) / "checkpoints" / "interrupted.ckpt"
         trainer.save_checkpoint(path)
         rank_zero_info(f"interrupted at step {trainer.global_step}: state saved to {path} (resume: --ckpt_path {path})")

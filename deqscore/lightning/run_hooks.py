@@ -124,6 +124,7 @@ class ResumeFixes(pl.Callback):
             self._saved_optimizers = len(checkpoint["optimizer_states"])
 
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self._set_data_epoch(trainer)  # a resume in the middle of an epoch gets no on_train_epoch_start
         if self._saved_optimizers is not None and self._saved_optimizers != len(trainer.optimizers):
             raise ConfigError(
                 f"--ckpt_path: the checkpoint holds {self._saved_optimizers} optimiser state(s), this "
@@ -135,6 +136,10 @@ class ResumeFixes(pl.Callback):
         if self._resumed_after_epoch:  # a fresh epoch after a finished one, not the restart of an unfinished one
             trainer.fit_loop.epoch_loop.restarting = False
             self._resumed_after_epoch = False
+        self._set_data_epoch(trainer)
+
+    @staticmethod
+    def _set_data_epoch(trainer: pl.Trainer) -> None:
         datamodule = getattr(trainer, "datamodule", None)
         if isinstance(datamodule, EpochData):
             datamodule.set_epoch(trainer.current_epoch)

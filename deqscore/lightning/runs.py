@@ -142,9 +142,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def checkpoint_log_step(ckpt: dict[str, Any]) -> int:
-    """The logging step a run resumed from ``ckpt`` continues at (Lightning's count of optimizer-stepping batches)."""
-    loop = ckpt.get("loops", {}).get("fit_loop", {}).get("epoch_loop.state_dict", {})
-    return int(loop.get("_batches_that_stepped", ckpt.get("global_step", 0)))
+    """The logging step a run resumed from ``ckpt`` continues at (Lightning's count of optimizer-stepping batches).
+    A checkpoint saved at a training batch's end (a mid-epoch or preemption checkpoint) holds the count before that
+    batch's; Lightning adds the batch when it resumes, and so does this."""
+    fit_loop = ckpt.get("loops", {}).get("fit_loop", {})
+    loop = fit_loop.get("epoch_loop.state_dict", {})
+    step = int(loop.get("_batches_that_stepped", ckpt.get("global_step", 0)))
+    total = fit_loop.get("epoch_loop.batch_progress", {}).get("total", {})
+    at_batch_end = bool(total) and total["started"] == total["ready"] == total["processed"] == total["completed"] + 1
+    return step + at_batch_end
 
 
 def truncate_log_after(csv_path: Path, step: int) -> int:

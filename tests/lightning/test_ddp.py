@@ -11,11 +11,12 @@ import torch
 from .conftest import ROOT, tiny_args
 
 WORKER = ROOT / "tests" / "lightning" / "ddp_worker.py"
+TIMEOUT_S = 120  # per process: a multi-process regression (a rank waiting for another) fails fast, not at CI's limit
 
 
 def _run(args, cwd=ROOT, returncode=0):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == returncode, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -131,9 +132,13 @@ def _two_nodes(args, tmp_path):
                "MASTER_PORT": str(port), "NODE_RANK": str(node), "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
         procs.append(subprocess.Popen([sys.executable, *args, "--trainer.num_nodes", "2", "--trainer.devices", "1"],
                                       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    for proc in procs:
-        out, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=TIMEOUT_S)
+            assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    finally:
+        for proc in procs:  # a hung rank is killed, not left running
+            proc.kill()
 
 
 def test_two_nodes_train_checkpoint_and_resume_as_two_processes_on_one(tmp_path):

@@ -17,7 +17,7 @@ from pathlib import Path
 from ..units import mean_stderr
 from .core import ROOT, Family, summarise, value_of
 from .protocol import Protocol, check_units
-from .verdict import non_inferiority
+from .verdict import MAX_SEEDS, non_inferiority
 
 FACTS = ("parameters", "activation_memory_mb", "seconds_per_iteration", "solver_iterations", "solver_rel_residual",
          "ift_backward_failures")
@@ -120,7 +120,9 @@ def comparison_row(family: Family, group: str, c: dict, training: str) -> str:
         why = "margin unknown" if c["margin"] is None else "fewer than two seeds a side"
         return (f"| {group} | {c['deq']} vs {c['other']} ({c['role']}) | {c['seeds'][0]} / {c['seeds'][1]} | – | – "
                 f"| – | – | {fmt(c['margin'])} | **not judged** ({why}) | {training} | {ratio} |")
-    needed = f"; {test.seeds_needed} seeds per arm would decide" if test.seeds_needed else ""
+    needed = "" if test.verdict != "inconclusive" else (
+        f"; {test.seeds_needed} seeds per arm would decide" if test.seeds_needed else
+        f"; more than {MAX_SEEDS:,} seeds per arm would be needed")
     return (f"| {group} | {c['deq']} vs {c['other']} ({c['role']}) | {c['seeds'][0]} / {c['seeds'][1]} | "
             f"{test.d:+.3g} ± {test.se:.2g} | {test.df:.1f} | {test.lower:+.3g} | {test.supported_margin:.3g} | "
             f"{fmt(c['margin'])} | **{test.verdict}**{needed} | {training} | {ratio} |")
