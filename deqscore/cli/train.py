@@ -9,6 +9,7 @@ grids and learning curves. Resuming needs only that directory::
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import math
 import os
@@ -42,6 +43,7 @@ from ..lightning.runs import (
 from .errors import UsageError, print_error, usage_error
 
 OPTIMIZER_HINT = "any torch.optim optimizer by class name or class_path, e.g. Adam, AdamW, SGD, RMSprop"
+USAGE_ERRORS = (ConfigError, DataNotFoundError, CorruptDataError)  # a user's mistake: one line, no traceback
 LR_SCHEDULER_HINT = "any torch.optim.lr_scheduler class by name or class_path, e.g. StepLR, CosineAnnealingLR"
 
 
@@ -175,11 +177,45 @@ class DeqscoreCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
-        except Exception as err:  # jsonargparse may wrap a constructor's ConfigError; report that one line
-            config_error = next((e for e in _chain(err) if isinstance(e, ConfigError)), None)
-            if config_error is None:
-                raise
-            usage_error(str(config_error))
+        except Exception as err:  # jsonargparse may wrap a constructor's error; report a deqscore one as one line
+            known = next((e for e in _chain(err) if isinstance(e, USAGE_ERRORS)), None) or self._data_error(str(err))
+            if known is None:
+                raise  # unexpected: keeps its traceback
+            option = self._option_named_by(str(known))
+            usage_error(f"{option}: {known}" if option else str(known))
+
+    def _groups(self) -> dict[str, dict[str, Any]]:
+        """The data module's and the model's own options, by group."""
+        cfg = self.config.get(str(self.config.get("subcommand")), self.config)
+        return {group: cfg[group].init_args.as_dict() for group in ("data", "model")
+                if isinstance(cfg.get(group), Namespace) and cfg[group].get("init_args") is not None}
+
+    def _option_named_by(self, message: str) -> str | None:
+        """The option the message names first (``val_fraction must lie in [0, 1)``), else the one whose text value it
+        quotes (``EMPTY holds no image``: ``--data.init_args.data_dir``); None when it does neither."""
+        options = [(f"--{group}.init_args.{key}", key, value) for group, values in self._groups().items()
+                   for key, value in values.items()]
+        named = [(m.start(), o) for o, key, _ in options if (m := re.search(rf"\b{re.escape(key)}\b", message))]
+        if named:
+            return min(named)[1]  # the option the message starts from
+        quoted = (o for o, _, value in options if isinstance(value, str) and len(value) > 2 and value in message)
+        return next(quoted, None)
+
+    def _data_error(self, message: str) -> Exception | None:
+        """A deqscore error of the data module's constructor that jsonargparse reported only as text (a failed Union
+        subtype): the data module is built again here to get the error itself. None for any other error."""
+        cfg = self.config.get(str(self.config.get("subcommand")), self.config)
+        data = cfg.get("data")
+        if not isinstance(data, Namespace) or f"class_path='{data.class_path}'" not in message:
+            return None
+        module, _, name = data.class_path.rpartition(".")
+        try:
+            getattr(importlib.import_module(module), name)(**self._groups().get("data", {}))
+        except USAGE_ERRORS as err:
+            return err
+        except Exception:
+            return None
+        return None
 
     def _parse_ckpt_path(self) -> None:
         # Lightning would replace the config's model options by the checkpoint's hyper-parameters. Here what the
@@ -312,11 +348,12 @@ def _check_checkpoint(path: str, class_path: str) -> dict[str, Any]:
         ckpt = read_checkpoint(path)
     except (FileNotFoundError, CheckpointFamilyError) as err:
         usage_error(f"ckpt_path: {err}")
-    family = next((f for f, cls in family_registry().items()
-                   if class_path in (f"{cls.__module__}.{cls.__qualname__}", cls.__qualname__)), None)
+    family = next((f for f, cls in family_registry().items()  # by the class's name: packages re-export it
+                   if class_path.rpartition(".")[2] == cls.__qualname__), None)
     if family and ckpt[FAMILY_KEY] != family:
-        usage_error(f"ckpt_path: {path} holds a {ckpt[FAMILY_KEY]!r} model, but the config's model is {class_path} "
-                    f"(family {family!r})")
+        usage_error(f"ckpt_path: {path} holds a {ckpt[FAMILY_KEY]!r} model, but the config describes a {family!r} "
+                    f"model ({class_path}); give a checkpoint of the config's family, or that checkpoint's own "
+                    "config.yaml")
     return ckpt
 
 
@@ -384,7 +421,7 @@ def run(args: list[str] | None = None) -> int:
         print_error(f"preempted by {signal.Signals(err.signum).name}: the run's state is in its "
                     "checkpoints/interrupted.ckpt; resume with --ckpt_path <run>/checkpoints/interrupted.ckpt")
         return PREEMPTED
-    except (ConfigError, DataNotFoundError, CorruptDataError) as err:  # found after parsing: no optimizer, no data
+    except USAGE_ERRORS as err:  # found after parsing: no optimizer, no data
         print_error(str(err))
         return 2
     return 0

@@ -303,7 +303,7 @@ def _check_options(
     test_subset: int | None,
 ) -> None:
     if batch_size < 1 or (eval_batch_size is not None and eval_batch_size < 1):
-        raise ConfigError(f"batch sizes must be positive, got {batch_size} and {eval_batch_size}")
+        raise ConfigError(f"batch_size and eval_batch_size must be positive, got {batch_size} and {eval_batch_size}")
     if num_workers < 0:
         raise ConfigError(f"num_workers must be >= 0, got {num_workers}")
     if not 0.0 <= val_fraction < 1.0:
