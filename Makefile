@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean-venv
+.PHONY: demo test test-slow bench clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check deqscore tests train.py sample.py
 	$(PY) -m pytest -q --durations=10 tests deqscore --doctest-modules
+
+# the tests marked slow (longer runs whose coverage the fast suite already has), not run by `make test` or CI
+test-slow: $(STAMP)
+	$(PY) -m pytest -q --durations=10 -m slow tests
 
 bench: $(STAMP)
 	$(PY) -m deqscore.bench

@@ -47,7 +47,9 @@ def run_study(tmp_path, name: str, *more: str) -> dict:
                        "--extra", *QUIET, *fit])
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+# NCSN's run (a minute: sampling and Inception features) adds nothing the fast suite lacks: the study machinery is
+# covered by the other families, NCSN's sampling and FID by tests/test_sampling.py, its evaluation's options below
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "ncsn" else n for n in FAMILIES])
 def test_a_family_study_records_what_its_runs_logged_skips_recorded_units_and_writes_the_page(
         tmp_path, monkeypatch, name):
     family = FAMILIES[name]
