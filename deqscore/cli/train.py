@@ -184,9 +184,13 @@ class DeqscoreCLI(LightningCLI):
             option = self._option_named_by(str(known))
             usage_error(f"{option}: {known}" if option else str(known))
 
+    def _subcommand_config(self) -> Namespace:
+        """The parsed options of the subcommand being run (the whole config when there is none)."""
+        return self.config.get(str(self.config.get("subcommand")), self.config)
+
     def _groups(self) -> dict[str, dict[str, Any]]:
         """The data module's and the model's own options, by group."""
-        cfg = self.config.get(str(self.config.get("subcommand")), self.config)
+        cfg = self._subcommand_config()
         return {group: cfg[group].init_args.as_dict() for group in ("data", "model")
                 if isinstance(cfg.get(group), Namespace) and cfg[group].get("init_args") is not None}
 
@@ -204,7 +208,7 @@ class DeqscoreCLI(LightningCLI):
     def _data_error(self, message: str) -> Exception | None:
         """A deqscore error of the data module's constructor that jsonargparse reported only as text (a failed Union
         subtype): the data module is built again here to get the error itself. None for any other error."""
-        cfg = self.config.get(str(self.config.get("subcommand")), self.config)
+        cfg = self._subcommand_config()
         data = cfg.get("data")
         if not isinstance(data, Namespace) or f"class_path='{data.class_path}'" not in message:
             return None
@@ -220,7 +224,7 @@ class DeqscoreCLI(LightningCLI):
     def _parse_ckpt_path(self) -> None:
         # Lightning would replace the config's model options by the checkpoint's hyper-parameters. Here what the
         # user gave wins; options that would change the checkpointed model itself are refused instead.
-        cfg = self.config.get(str(self.config.get("subcommand")), self.config)
+        cfg = self._subcommand_config()
         if not cfg.get("ckpt_path"):
             return
         ckpt = _check_checkpoint(cfg.ckpt_path, cfg.model.class_path)
@@ -279,7 +283,7 @@ class DeqscoreCLI(LightningCLI):
         parser.link_arguments("data", "model.init_args.net.init_args.dim", compute_fn=_data_dim, apply_on="instantiate")
 
     def before_instantiate_classes(self) -> None:
-        cfg = self.config[self.subcommand] if self.subcommand else self.config
+        cfg = self._subcommand_config()
         if cfg.trainer.logger is not False:  # false: no logger at all, as asked
             cfg.trainer.logger = _add_loggers(cfg.trainer.logger, cfg.runs_root, cfg.run_name)
         cfg.trainer.default_root_dir = str(Path(cfg.runs_root) / cfg.run_name)

@@ -179,11 +179,8 @@ class SaveOnInterrupt(pl.Callback):
                 self._signalled = self._signalled or signal.SIGTERM
         if self._signalled is None:
             return
-        path = run_dir(trainer) / "checkpoints" / "interrupted.ckpt"
-        trainer.save_checkpoint(path)
+        self._save(trainer, f"preempted ({signal.Signals(self._signalled).name}) after")
         self._saved = True
-        rank_zero_info(f"preempted ({signal.Signals(self._signalled).name}) after step {trainer.global_step}: state "
-                       f"saved to {path} (resume: --ckpt_path {path})")
 
     def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: object,
                              batch_idx: int) -> None:
@@ -198,9 +195,13 @@ class SaveOnInterrupt(pl.Callback):
     def on_exception(self, trainer: pl.Trainer, module: pl.LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, KeyboardInterrupt) or trainer.state.fn != "fit":
             return  # a preemption saved its state at the batch's end
+        self._save(trainer, "interrupted at")
+
+    @staticmethod
+    def _save(trainer: pl.Trainer, what: str) -> None:
         path = run_dir(trainer) / "checkpoints" / "interrupted.ckpt"
         trainer.save_checkpoint(path)
-        rank_zero_info(f"interrupted at step {trainer.global_step}: state saved to {path} (resume: --ckpt_path {path})")
+        rank_zero_info(f"{what} step {trainer.global_step}: state saved to {path} (resume: --ckpt_path {path})")
 
 
 class ConfiguredOptimizerOptions(pl.Callback):

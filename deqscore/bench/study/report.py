@@ -96,16 +96,23 @@ def comparisons(family: Family, protocol: Protocol, units: list[dict], group: st
     return out
 
 
+def seed_curve(runs: list[dict], key: str) -> dict[int, tuple[float, float | None]]:
+    """The curve ``key`` of trained runs (unit values) at the steps all of them logged: step -> (mean, standard
+    error) over the runs, in step order."""
+    series = [dict(r["curves"].get(key, [])) for r in runs if r["iterations"]]
+    steps = sorted(set.intersection(*(set(s) for s in series))) if series else []
+    return {t: mean_stderr([s[t] for s in series]) for t in steps}
+
+
 def flattened(protocol: Protocol, units: list[dict], group: str, variant: str | None) -> tuple[bool | None, float]:
     """Whether ``variant``'s validation curve (mean over seeds) has flattened by the protocol's definition, and its
     relative improvement over the last window of training; (None, nan) without two common validation points."""
     rule = protocol.text["flattened"]
-    series = [dict(u["value"]["curves"].get("val/loss", [])) for u in units
-              if (u["group"], u["variant"]) == (group, variant) and u["value"]["iterations"]]
-    steps = sorted(set.intersection(*(set(s) for s in series))) if series else []
-    if len(steps) < 2:
+    curve = seed_curve([u["value"] for u in units if (u["group"], u["variant"]) == (group, variant)], "val/loss")
+    if len(curve) < 2:
         return None, math.nan
-    mean = {t: sum(s[t] for s in series) / len(series) for t in steps}
+    mean = {t: m for t, (m, _) in curve.items()}
+    steps = list(curve)
     last = steps[-1]
     earlier = min(steps[:-1], key=lambda t: abs(t - (1 - rule["window"]) * last))
     improvement = (mean[earlier] - mean[last]) / max(abs(mean[last]), 1e-30)
@@ -172,13 +179,12 @@ def plot_curves(family: Family, units: list[dict], group: str, path: Path) -> No
     for ax, key in zip(axes, ("train/loss", "val/loss"), strict=True):
         for name, variant in family.variants.items():
             runs = [u["value"] for u in units if u["group"] == group and u["variant"] == name]
-            series = [dict(r["curves"].get(key, [])) for r in runs if r["iterations"]]
-            steps = sorted(set.intersection(*(set(s) for s in series))) if series else []
-            if not steps:
+            curve = seed_curve(runs, key)
+            if not curve:
                 continue
             per_iteration = runs[0]["optimiser_steps"] / runs[0]["iterations"]
-            stats = [mean_stderr([s[t] for s in series]) for t in steps]
-            xs = [t / per_iteration for t in steps]
+            stats = list(curve.values())
+            xs = [t / per_iteration for t in curve]
             mean = [m for m, _ in stats]
             err = [e or 0.0 for _, e in stats]
             ax.plot(xs, mean, label=f"{name} ({variant.role})")

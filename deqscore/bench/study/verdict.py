@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..units import mean_stderr
+
 ALPHA = 0.05  # one-sided: 95 % bounds
 POWER = 0.8  # of the seeds-per-arm calculation
 MAX_SEEDS = 1000  # seeds_needed stops looking here
@@ -114,11 +116,6 @@ class NonInferiority:
         return seeds_needed(*self.sd, self.margin) if self.verdict == "inconclusive" else None
 
 
-def sample_sd(values: list[float]) -> float:
-    mean = sum(values) / len(values)
-    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
-
-
 def non_inferiority(deq: list[float], other: list[float], margin: float, higher_is_better: bool,
                     alpha: float = ALPHA) -> NonInferiority | None:
     """The DEQ's per-seed metrics against the other network's at ``margin``; None with fewer than two seeds on a
@@ -128,8 +125,9 @@ def non_inferiority(deq: list[float], other: list[float], margin: float, higher_
     if not margin > 0:
         raise ValueError(f"a non-inferiority margin must be positive, got {margin}")
     sign = 1.0 if higher_is_better else -1.0
-    d = sign * (sum(deq) / len(deq) - sum(other) / len(other))
-    sd_deq, sd_other = sample_sd(deq), sample_sd(other)
+    (mean_deq, se_deq), (mean_other, se_other) = mean_stderr(deq), mean_stderr(other)
+    d = sign * (mean_deq - mean_other)
+    sd_deq, sd_other = se_deq * math.sqrt(len(deq)), se_other * math.sqrt(len(other))
     se, df = welch(sd_deq, len(deq), sd_other, len(other))
     t = t_quantile(1.0 - alpha, df)
     lower, upper = d - t * se, d + t * se
