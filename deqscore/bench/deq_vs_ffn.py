@@ -1,31 +1,34 @@
-"""DEQ vs feed-forward score networks of equal size, on densities whose score is known in closed form.
+"""DEQ against constant-depth feed-forward networks under one weight-norm budget, on steep functions of one coordinate.
 
 Run::
 
-    python -m deqscore.bench.deq_vs_ffn                                  # the stated budget (see --help)
-    python -m deqscore.bench.deq_vs_ffn --steps 20 --seeds 1 --dims 2 --out /tmp/dvf   # a smoke run
+    python -m deqscore.bench.deq_vs_ffn                       # the protocol's runs (resumes; --shard 0/2 and 1/2
+                                                              # split them between two processes)
+    python -m deqscore.bench.deq_vs_ffn --report-only         # tables from the units on disk
+    python -m deqscore.bench.deq_vs_ffn --steps 20 --seeds 2 --dims 2 --out /tmp/dvf   # a smoke run (off protocol)
 
-Densities in d dimensions (exact rejection samplers, scores in closed form):
+Everything that decides the outcome (the construction, the budget, the networks, the training, the seeds, the rule
+and the predictions) is in the committed protocol ``benchmarks/protocol/deq_vs_ffn/v2.json``; every unit records the
+protocol's SHA-256, and options that depart from it are recorded and flagged on the page.
 
-* ``steep`` k: ``p(x) ~ N(x; 0, I) sigmoid(k x_1)``, score ``-x + e_1 k (1 - sigmoid(k x_1))``;
-* ``osc`` w: ``p(x) ~ N(x; 0, I) (1 + a cos(w x_1))``, a = 0.5, score ``-x - e_1 a w sin(w x_1) / (1 + a cos(w x_1))``.
+Two tasks in ``d`` dimensions, both steep along ``x_1`` with a slope ``a_d = 2 ** (d / 4)`` that grows
+exponentially with ``d``: regression of ``tanh(a_d x_1)`` and score matching (SSM-VR) of
+``p(x) ~ N(x; 0, I) sigmoid(k_d x_1)`` against its exact score. The networks: a DEQ
+``z* = tanh(W z* + U x + b)``, ``y = V z* + c`` on deqscore's DEQ layer, and tanh networks of 2, 4 and 8 hidden
+layers with the DEQ's parameter count. Every weight matrix's spectral norm is capped at ``B`` and the DEQ's ``W``
+at ``gamma < 1`` (:func:`deqscore.deq.spectral_cap`), so the networks' Lipschitz constants are capped at
+``B ** (L + 1)`` and ``B ** 2 / (1 - gamma)``.
 
-Networks (tanh, output = the score): a DEQ-MLP ``z* = tanh(W z* + A x + a)``, ``s = C z* + c`` on deqscore's DEQ
-layer (Anderson, phantom backward) and MLPs of 2, 4 and 8 hidden layers whose width is chosen to match the DEQ's
-parameter count within 5 %. Each is trained with DSM (one small sigma) and with SSM-VR on fresh samples for the
-same number of Adam steps; the held-out Fisher divergence ``E_p ||s(x) - grad log p(x)||^2`` (and its x_1 part),
-parameters, activation memory of one step, time per step, solver iterations, the largest absolute weight and the
-participation ratio of the last hidden layer (the fixed point for the DEQ) are recorded per unit (density x d x
-network x loss x seed) in ``<out>/units/<unit>.json``; a unit already on disk is skipped, so a stopped run resumes.
-Then ``deq_vs_ffn.md`` / ``.json`` (seed means and standard errors) and PNG plots are written under ``--out``.
-
-Prediction stated before running: the DEQ's advantage (best MLP Fisher divergence / DEQ Fisher divergence) grows
-with the steepness k and the frequency w.
+Per unit (task x d x network x seed), in ``<out>/units/``: the held-out metric, the same at initialisation, the
+largest slope ``d y / d x_1`` reached, the weight norms (spectral and largest entry), the solver's iterations and
+capped solves, and for the DEQ its contraction at the fixed point and the phantom derivative's errors
+(:func:`deqscore.bench.study.trust.trust_figures`).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import time
@@ -35,428 +38,485 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
-from ..deq import DEQ
-from ..losses import denoising_score_matching, sliced_score_matching
-from ..metrics import parameter_count, step_activation_bytes
+from ..deq import DEQ, spectral_cap
+from ..losses import sliced_score_matching
+from ..metrics import parameter_count
 from .measure import environment, log
-from .report import Column, Table, table_markdown
-from .units import mean_stderr
+from .report import Column, Table, fmt_value, table_markdown
+from .study.trust import trust_figures
+from .study.verdict import non_inferiority
+from .units import mean_stderr, recorded
 
 Tensor = torch.Tensor
-OSC_AMPLITUDE = 0.5
+PROTOCOL = Path("benchmarks/protocol/deq_vs_ffn/v2.json")
 DEFAULT_OUT = "benchmarks/results/deq_vs_ffn"
-FFN_DEPTHS = (2, 4, 8)
-LOSSES = ("dsm", "ssm_vr")
+TASKS = ("regression", "score")
+CURVE_POINTS = 10  # held-out evaluations along training, for the flattened test
+
+
+def load_protocol(path: Path = PROTOCOL) -> tuple[dict, str]:
+    """The protocol and its SHA-256."""
+    raw = path.read_bytes()
+    return json.loads(raw), hashlib.sha256(raw).hexdigest()
+
+
+def slope(dim: int, protocol: dict) -> float:
+    """``a_d``: the steepness of both tasks along ``x_1`` at dimension ``d``."""
+    c = protocol["construction"]
+    return c["slope_base"] ** (dim / c["slope_dims_per_doubling"])
 
 
 @dataclass(frozen=True)
-class Density:
-    """A density on R^d known up to a constant, with an exact sampler and its score."""
+class Task:
+    """A steep task in ``dim`` dimensions: exact samples, the metric, the training loss."""
 
-    family: str  # "steep" or "osc"
-    param: float  # k or w
+    kind: str  # "regression" or "score"
+    dim: int
+    a: float  # the slope along x_1
 
     @property
-    def name(self) -> str:
-        return f"{self.family}{self.param:g}"
+    def k(self) -> float:
+        """The score task's sigmoid steepness: the exact score's x_1 part has slope ``1 + k^2 / 4 = 1 + a``."""
+        return 2.0 * math.sqrt(self.a)
 
-    def _accept(self, x1: Tensor) -> Tensor:
-        if self.family == "steep":
-            return torch.sigmoid(self.param * x1)
-        return (1 + OSC_AMPLITUDE * torch.cos(self.param * x1)) / (1 + OSC_AMPLITUDE)
+    @property
+    def out_dim(self) -> int:
+        return 1 if self.kind == "regression" else self.dim
 
-    def sample(self, n: int, d: int, gen: torch.Generator) -> Tensor:
-        """``n`` exact samples: N(0, I) proposals accepted with probability <= 1 (rate >= 1/3)."""
-        out, have = [], 0
+    def sample(self, n: int, gen: torch.Generator) -> Tensor:
+        if self.kind == "regression":
+            return torch.randn(n, self.dim, generator=gen)
+        out, have = [], 0  # N(0, I) proposals accepted with probability sigmoid(k x_1) (rate 1/2)
         while have < n:
-            x = torch.randn(3 * n, d, generator=gen)
-            keep = torch.rand(3 * n, generator=gen) < self._accept(x[:, 0])
+            x = torch.randn(3 * n, self.dim, generator=gen)
+            keep = torch.rand(3 * n, generator=gen) < torch.sigmoid(self.k * x[:, 0])
             out.append(x[keep])
             have += int(keep.sum())
         return torch.cat(out)[:n]
 
-    def score(self, x: Tensor) -> Tensor:
-        """``grad log p(x)``."""
+    def target(self, x: Tensor) -> Tensor:
+        """The regression target ``tanh(a x_1)``, or the exact score ``-x + e_1 k sigmoid(-k x_1)``."""
+        if self.kind == "regression":
+            return torch.tanh(self.a * x[:, :1])
         s = -x.clone()
-        x1 = x[:, 0]
-        if self.family == "steep":
-            s[:, 0] += self.param * torch.sigmoid(-self.param * x1)
-        else:
-            w, a = self.param, OSC_AMPLITUDE
-            s[:, 0] -= a * w * torch.sin(w * x1) / (1 + a * torch.cos(w * x1))
+        s[:, 0] += self.k * torch.sigmoid(-self.k * x[:, 0])
         return s
 
+    def loss(self, net: nn.Module, x: Tensor) -> Tensor:
+        if self.kind == "regression":
+            return (net(x) - self.target(x)).pow(2).mean()
+        return sliced_score_matching(net, x, variance_reduction=True).mean()
 
-DENSITIES = tuple(Density("steep", k) for k in (1, 4, 16, 64)) + tuple(Density("osc", w) for w in (1, 4, 16))
+    def control(self, x: Tensor) -> float:
+        """The metric of the trivial answer: 0 for the regression, the Gaussian score ``-x`` for the score."""
+        return self.metric(lambda x: torch.zeros(len(x), 1) if self.kind == "regression" else -x, x)
+
+    def metric(self, net: Callable[[Tensor], Tensor], x: Tensor) -> float:
+        """Held-out RMSE (regression) or Fisher divergence ``E ||s - grad log p||^2`` (score)."""
+        with torch.no_grad():
+            err = (net(x) - self.target(x)).pow(2).sum(1).mean()
+        return float(err.sqrt() if self.kind == "regression" else err)
+
+
+def capped(lin: nn.Linear, bound: float) -> nn.Linear:
+    return spectral_cap(lin, bound)
 
 
 class TanhMap(nn.Module):
-    """``func(z, u) = tanh(W z + u)``; W starts at spectral scale about 0.5 (a contraction)."""
+    """``f(z, u) = tanh(W z + u)`` with ``||W||_2 <= gamma``: a gamma-contraction in ``z``."""
 
-    def __init__(self, width: int):
+    def __init__(self, width: int, gamma: float):
         super().__init__()
-        self.lin = nn.Linear(width, width, bias=False)
-        nn.init.normal_(self.lin.weight, std=0.25 / math.sqrt(width))
+        self.lin = capped(nn.Linear(width, width, bias=False), gamma)
 
     def forward(self, z: Tensor, u: Tensor) -> Tensor:
         return torch.tanh(self.lin(z) + u)
 
 
-class DEQScore(nn.Module):
-    """``s(x) = C z* + c``, ``z* = tanh(W z* + A x + a)``."""
+class DEQNet(nn.Module):
+    """``y = V z* + c``, ``z* = tanh(W z* + U x + b)``; ``||U||, ||V|| <= B``, ``||W|| <= gamma``."""
 
-    def __init__(self, dim: int, width: int, phantom_steps: int = 2):
+    def __init__(self, dim: int, out_dim: int, width: int, bound: float, gamma: float, deq: dict):
         super().__init__()
-        self.inp = nn.Linear(dim, width)
-        self.deq = DEQ(TanhMap(width), solver="anderson", tol=1e-4, stop_mode="rel", max_iter=40,
-                       phantom_steps=phantom_steps, warn_on_nonconvergence=False)
-        self.out = nn.Linear(width, dim)
-
-    def hidden(self, x: Tensor) -> Tensor:
-        return self.deq(self.inp(x))
+        self.inp = capped(nn.Linear(dim, width), bound)
+        self.deq = DEQ(TanhMap(width, gamma), warn_on_nonconvergence=False, **deq)
+        self.out = capped(nn.Linear(width, out_dim), bound)
+        self.lipschitz_cap = bound**2 / (1.0 - gamma)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.out(self.hidden(x))
+        # One singular value decomposition per weight per forward, not per solver iteration. The cache is filled
+        # here, with autograd on: filled inside the solve's no_grad, the phantom steps would reuse a weight that
+        # carries no gradient and W would never train.
+        with parametrize.cached():
+            _ = self.deq.func.lin.weight
+            return self.out(self.deq(self.inp(x)))
 
 
-class MLPScore(nn.Module):
-    """``depth`` tanh hidden layers of ``width``, output the score."""
+class FFN(nn.Module):
+    """``depth`` tanh hidden layers of ``width``; every matrix's spectral norm at most ``B``."""
 
-    def __init__(self, dim: int, width: int, depth: int):
+    def __init__(self, dim: int, out_dim: int, width: int, depth: int, bound: float):
         super().__init__()
         layers: list[nn.Module] = []
         for i in range(depth):
-            layers += [nn.Linear(dim if i == 0 else width, width), nn.Tanh()]
-        self.body = nn.Sequential(*layers)
-        self.out = nn.Linear(width, dim)
-
-    def hidden(self, x: Tensor) -> Tensor:
-        return self.body(x)
+            layers += [capped(nn.Linear(dim if i == 0 else width, width), bound), nn.Tanh()]
+        self.body = nn.Sequential(*layers, capped(nn.Linear(width, out_dim), bound))
+        self.lipschitz_cap = bound ** (depth + 1)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.out(self.hidden(x))
+        with parametrize.cached():
+            return self.body(x)
 
 
-def mlp_parameters(dim: int, width: int, depth: int) -> int:
-    """Parameters of :class:`MLPScore`."""
-    return dim * width + width + (depth - 1) * (width * width + width) + width * dim + dim
+def ffn_parameters(dim: int, out_dim: int, width: int, depth: int) -> int:
+    """Parameters of :class:`FFN`."""
+    return dim * width + width + (depth - 1) * (width * width + width) + width * out_dim + out_dim
 
 
-def matched_width(dim: int, depth: int, target: int) -> int:
-    """The MLP width whose parameter count is closest to ``target``.
+def matched_width(dim: int, out_dim: int, depth: int, target: int) -> int:
+    """The FFN width whose parameter count is closest to ``target``.
 
-    >>> matched_width(2, 2, mlp_parameters(2, 40, 2))
+    >>> matched_width(2, 1, 2, ffn_parameters(2, 1, 40, 2))
     40
     """
-    return min(range(1, 4 * int(math.sqrt(target)) + 8), key=lambda w: abs(mlp_parameters(dim, w, depth) - target))
+    return min(range(1, 4 * int(math.sqrt(target)) + 8),
+               key=lambda w: abs(ffn_parameters(dim, out_dim, w, depth) - target))
 
 
-def build(model: str, dim: int, deq_width: int, phantom_steps: int = 2) -> nn.Module:
-    """``"deq"`` or ``"ffn<depth>"``, the MLP matched to the DEQ's parameter count."""
-    if model == "deq":
-        return DEQScore(dim, deq_width, phantom_steps)
-    depth = int(model[3:])
-    target = parameter_count(DEQScore(dim, deq_width))
-    return MLPScore(dim, matched_width(dim, depth, target), depth)
+def build(network: str, task: Task, protocol: dict) -> nn.Module:
+    """``"deq"`` or ``"ffn<depth>"`` (the latter matched to the DEQ's parameter count)."""
+    budget, width = protocol["budget"], protocol["networks"]["deq_width"]
+    bound, gamma = budget["weight_spectral_bound"], budget["deq_contraction_bound"]
+    deq = DEQNet(task.dim, task.out_dim, width, bound, gamma, protocol["deq"])
+    if network == "deq":
+        return deq
+    depth = int(network[3:])
+    width = matched_width(task.dim, task.out_dim, depth, parameter_count(deq))
+    return FFN(task.dim, task.out_dim, width, depth, bound)
 
 
-def loss_fn(loss: str, sigma: float) -> Callable[[nn.Module, Tensor], Tensor]:
-    if loss == "dsm":
-        return lambda net, x: denoising_score_matching(net, x, sigma).mean()
-    return lambda net, x: sliced_score_matching(net, x, variance_reduction=True).mean()
+def weight_norms(net: nn.Module) -> dict[str, float]:
+    """The largest spectral norm and the largest entry over the (capped) weight matrices."""
+    weights = [m.weight.detach() for m in net.modules() if isinstance(m, nn.Linear)]
+    return {"max_spectral_norm": max(float(torch.linalg.matrix_norm(w, ord=2)) for w in weights),
+            "max_abs_weight": max(float(w.abs().max()) for w in weights)}
 
 
-def participation_ratio(H: Tensor) -> float:
-    """``(tr C)^2 / tr(C^2)`` of the feature covariance C: how many directions the features use."""
-    H = H - H.mean(0)
-    eig = torch.linalg.eigvalsh(H.T @ H / len(H)).clamp_min(0)
-    return float(eig.sum() ** 2 / (eig**2).sum().clamp_min(1e-30))
+def largest_slope(net: nn.Module, x: Tensor) -> float:
+    """``max |d y_1 / d x_1|`` over the samples (``y_1``: the output, or the score's x_1 part)."""
+    x = x.detach().requires_grad_(True)
+    with torch.enable_grad():
+        (g,) = torch.autograd.grad(net(x)[:, 0].sum(), x)
+    return float(g[:, 0].abs().max())
 
 
-def fisher(net: nn.Module, density: Density, x: Tensor) -> tuple[float, float]:
-    """Held-out Fisher divergence ``E ||s - s*||^2`` and its x_1 part."""
-    with torch.no_grad():
-        err = (net(x) - density.score(x)) ** 2
-    return float(err.sum(1).mean()), float(err[:, 0].mean())
+class _Objective(nn.Module):
+    """The interface :func:`trust_figures` reads: the network, its DEQ layers and the training objective."""
+
+    deq_objective = "loss"
+
+    def __init__(self, net: nn.Module, task: Task):
+        super().__init__()
+        self.net, self.task = net, task
+
+    def deq_layers(self) -> list[DEQ]:
+        return [m for m in self.net.modules() if isinstance(m, DEQ)]
+
+    def loss_terms(self, x: Tensor) -> dict[str, Tensor]:
+        return {"loss": self.task.loss(self.net, x)}
 
 
-def run_unit(density: Density, dim: int, model: str, loss: str, seed: int, args: argparse.Namespace) -> dict:
-    """Train one network on one density with one loss and seed; its record."""
+def run_unit(task: Task, network: str, seed: int, protocol: dict, steps: int) -> dict:
+    """Train one network on one task with one seed; its record."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(10_000 + seed)
-    net = build(model, dim, args.deq_width, args.phantom_steps)
-    step_loss = loss_fn(loss, args.sigma)
-    opt = torch.optim.Adam(net.parameters(), lr=args.lr)
-    x0 = density.sample(args.batch, dim, gen)
-    act_bytes = step_activation_bytes(lambda: step_loss(net, x0).backward(), net)
-    iters: list[int] = []
+    net = build(network, task, protocol)
+    training, evaluation = protocol["training"], protocol["evaluation"]
+    held_out = task.sample(evaluation["samples"], torch.Generator().manual_seed(evaluation["seed"]))
+    untrained = task.metric(net, held_out)
+    opt = torch.optim.Adam(net.parameters(), lr=training["lr"])
+    layers = _Objective(net, task).deq_layers()
+    iters, capped_solves, curve, eval_seconds = [], 0, [], 0.0
+    every = max(1, steps // CURVE_POINTS)
     start = time.perf_counter()
-    for _ in range(args.steps):
-        x = density.sample(args.batch, dim, gen)
+    for step in range(steps):
+        if step % every == 0 and step:
+            tick = time.perf_counter()
+            curve.append((step, task.metric(net, held_out)))
+            eval_seconds += time.perf_counter() - tick
+        x = task.sample(training["batch"], gen)
         opt.zero_grad(set_to_none=True)
-        value = step_loss(net, x)
+        value = task.loss(net, x)
         value.backward()
         opt.step()
-        if model == "deq":
-            iters.append(net.deq.stats.nstep)
-    seconds = time.perf_counter() - start
-    held_out = density.sample(args.eval_samples, dim, torch.Generator().manual_seed(99))
-    fd, fd1 = fisher(net, density, held_out)
-    with torch.no_grad():
-        pr = participation_ratio(net.hidden(held_out))
-    return {
-        "density": density.name, "family": density.family, "param": density.param, "dim": dim, "model": model,
-        "loss": loss, "seed": seed, "steps": args.steps, "fisher": fd, "fisher_x1": fd1,
-        "parameters": parameter_count(net), "activation_kib": act_bytes / 1024,
-        "ms_per_step": 1e3 * seconds / args.steps,
+        for layer in layers:
+            iters.append(layer.stats.nstep)
+            capped_solves += not layer.stats.converged
+    seconds = time.perf_counter() - start - eval_seconds
+    metric = task.metric(net, held_out)
+    curve.append((steps, metric))
+    record = {
+        "metric": metric, "curve": curve, "still_falling": still_falling(curve, protocol),
+        "metric_untrained": untrained, "metric_control": task.control(held_out), "final_loss": float(value.detach()),
+        "largest_slope": largest_slope(net, held_out[:2048]), "lipschitz_cap": net.lipschitz_cap,
+        "parameters": parameter_count(net), "ms_per_step": 1e3 * seconds / steps, **weight_norms(net),
         "solver_iters": sum(iters) / len(iters) if iters else None,
-        "max_abs_weight": max(float(p.detach().abs().max()) for p in net.parameters()),
-        "participation_ratio": pr, "final_loss": float(value.detach()),
+        "capped_solves": capped_solves / len(iters) if iters else None,
     }
+    if layers:
+        record["trust"] = trust_figures(_Objective(net, task), task.sample(512, gen), seed=seed)
+    return record
 
 
-def unit_name(density: Density, dim: int, model: str, loss: str, seed: int, args: argparse.Namespace) -> str:
-    """The unit's file stem; it names the budget too, so a run at another budget does not reuse it."""
-    budget = f"n{args.steps}_b{args.batch}_lr{args.lr:g}_sig{args.sigma:g}_w{args.deq_width}_K{args.phantom_steps}"
-    return f"{density.name}_d{dim}_{model}_{loss}_s{seed}_{budget}"
+def still_falling(curve: list[tuple[int, float]], protocol: dict) -> bool:
+    """The protocol's test of an unfinished run: over the last ``window`` of the steps the held-out metric fell by
+    more than ``relative_drop`` of its value at the window's start.
+
+    >>> p = {"flattened": {"window": 0.2, "relative_drop": 0.05}}
+    >>> still_falling([(80, 1.0), (100, 0.9)], p), still_falling([(80, 1.0), (100, 0.99)], p)
+    (True, False)
+    """
+    rule = protocol["flattened"]
+    last_step, last = curve[-1]
+    start = [v for step, v in curve if step <= last_step * (1 - rule["window"])]
+    return bool(start) and last < (1 - rule["relative_drop"]) * start[-1]
 
 
-def run_all(args: argparse.Namespace) -> list[dict]:
-    """Every unit, skipping those recorded under ``<out>/units`` (with ``--report-only``, missing ones too)."""
-    units_dir = Path(args.out) / "units"
-    units_dir.mkdir(parents=True, exist_ok=True)
-    records = []
-    plan = [(den, d, m, lo, s) for d in args.dims for den in args.densities for lo in args.losses
-            for m in args.models for s in range(args.seeds)]
-    for i, (den, d, m, lo, s) in enumerate(plan):
-        path = units_dir / f"{unit_name(den, d, m, lo, s, args)}.json"
-        if path.exists():
-            records.append(json.loads(path.read_text()))
-            continue
-        if args.report_only:
-            continue
-        rec = run_unit(den, d, m, lo, s, args)
-        path.write_text(json.dumps(rec, indent=1))
-        records.append(rec)
-        log(f"{i + 1}/{len(plan)} {path.stem}: fisher {rec['fisher']:.4g} ({rec['ms_per_step']:.1f} ms/step)")
+@dataclass(frozen=True)
+class Unit:
+    task: Task
+    network: str
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.task.kind}_d{self.task.dim}_{self.network}_s{self.seed}"
+
+
+def plan(args: argparse.Namespace, protocol: dict) -> list[Unit]:
+    return [Unit(Task(kind, d, slope(d, protocol)), net, s) for kind in args.tasks for d in args.dims
+            for net in args.networks for s in range(args.seeds)]
+
+
+def run_all(args: argparse.Namespace, protocol: dict, sha: str) -> list[dict]:
+    """Every unit of the plan (this process's shard of it), each recorded under ``<out>/units`` and read back if
+    it was recorded with the same settings; with ``--report-only`` nothing is trained."""
+    units, records = plan(args, protocol), []
+    index, count = args.shard
+    for i, unit in enumerate(units):
+        path = Path(args.out) / "units" / f"{unit.name}.json"
+        settings = {"unit": unit.name, "protocol_sha256": sha, "steps": args.steps}
+        mine = i % count == index and not args.report_only
+        if not mine:
+            saved = json.loads(path.read_text()) if path.exists() else None
+            if saved is None or saved["settings"] != settings:
+                continue
+            value = saved["value"]
+        else:
+            value = recorded(path, settings, lambda u=unit: run_unit(u.task, u.network, u.seed, protocol, args.steps),
+                             device="cpu")
+            log(f"{i + 1}/{len(units)} {unit.name}: metric {value['metric']:.4g} ({value['ms_per_step']:.1f} ms/step)")
+        records.append({"task": unit.task.kind, "dim": unit.task.dim, "a": unit.task.a, "network": unit.network,
+                        "seed": unit.seed, **value})
     return records
 
 
+def _mean_cell(values: list[float], spec: str = ".3g") -> str:
+    mean, se = mean_stderr(values)
+    return fmt_value(mean, spec) + (f" ± {fmt_value(se, '.2g')}" if se is not None else "")
+
+
 def summarise(records: list[dict]) -> list[dict]:
-    """One row per (d, density, loss, network): seed means and standard errors."""
+    """One row per (task, d, network): seed means and standard errors of the metric and the diagnostics."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
-        groups.setdefault((r["dim"], r["family"], r["param"], r["loss"], r["model"]), []).append(r)
+        groups.setdefault((r["task"], r["dim"], r["network"]), []).append(r)
     rows = []
-    for (dim, family, param, loss, model), rs in sorted(groups.items(), key=lambda kv: kv[0]):
-        fd, fd_se = mean_stderr([r["fisher"] for r in rs])
-        fd1, fd1_se = mean_stderr([r["fisher_x1"] for r in rs])
-        iters = [r["solver_iters"] for r in rs if r["solver_iters"] is not None]
+    for (task, dim, network), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], _depth(kv[0][2]))):
+        trust = [r["trust"] for r in rs if r.get("trust")]
         rows.append({
-            "dim": dim, "family": family, "param": param, "loss": loss, "model": model, "seeds": len(rs),
-            "fisher": fd, "fisher_se": fd_se, "fisher_x1": fd1, "fisher_x1_se": fd1_se,
-            "parameters": rs[0]["parameters"], "activation_kib": mean_stderr([r["activation_kib"] for r in rs])[0],
+            "task": task, "dim": dim, "a": rs[0]["a"], "network": network, "seeds": len(rs),
+            "log10_metric": [math.log10(r["metric"]) for r in rs],
+            "metric_cell": _mean_cell([r["metric"] for r in rs]),
+            "untrained_cell": _mean_cell([r["metric_untrained"] for r in rs]), "control": rs[0]["metric_control"],
+            "still_falling": sum(r["still_falling"] for r in rs),
+            "slope_cell": _mean_cell([r["largest_slope"] for r in rs]), "lipschitz_cap": rs[0]["lipschitz_cap"],
+            "parameters": rs[0]["parameters"], "spectral": max(r["max_spectral_norm"] for r in rs),
+            "max_abs": max(r["max_abs_weight"] for r in rs),
             "ms_per_step": mean_stderr([r["ms_per_step"] for r in rs])[0],
-            "solver_iters": mean_stderr(iters)[0] if iters else None,
-            "max_abs_weight": mean_stderr([r["max_abs_weight"] for r in rs])[0],
-            "participation_ratio": mean_stderr([r["participation_ratio"] for r in rs])[0],
+            "solver_iters": mean_stderr([r["solver_iters"] for r in rs])[0] if rs[0]["solver_iters"] else None,
+            "capped_solves": max(r["capped_solves"] for r in rs) if rs[0]["capped_solves"] is not None else None,
+            "contraction": max(t["contraction"] for t in trust) if trust else None,
+            "derivative_error": max(t["derivative_rel_error"] for t in trust) if trust else None,
+            "gradient_error": max(t["gradient_rel_error"] for t in trust) if trust else None,
         })
     return rows
 
 
-def advantages(rows: list[dict]) -> list[dict]:
-    """Per (d, density, loss): best MLP Fisher / DEQ Fisher (> 1: the DEQ is better), with a delta-method
-    standard error, and the log-log slope of the advantage against k or w per (d, family, loss)."""
-    out = []
+def _depth(network: str) -> int:
+    return 0 if network == "deq" else int(network[3:])
+
+
+def outcome(deq: list[float], ffn: list[float], margin: float) -> dict | None:
+    """The rule of the protocol on log10 metrics (lower is better): ``d`` = FFN minus DEQ, one-sided 95 % bounds
+    L and U, and the outcome ``deq_better`` / ``ffn_better`` / ``equivalent`` / ``inconclusive``.
+
+    >>> outcome([0.0, 0.01, -0.01], [1.0, 1.01, 0.99], 0.1)["outcome"]
+    'deq_better'
+    >>> outcome([0.0, 0.01, -0.01], [0.0, 0.02, -0.01], 0.1)["outcome"]
+    'equivalent'
+    """
+    test = non_inferiority(deq, ffn, margin, higher_is_better=False)
+    if test is None:
+        return None
+    lower, upper = test.lower, test.upper
+    result = ("deq_better" if lower > margin else "ffn_better" if upper < -margin
+              else "equivalent" if lower > -margin and upper < margin else "inconclusive")
+    return {"d": test.d, "se": test.se, "df": test.df, "lower": lower, "upper": upper, "outcome": result,
+            "seeds": test.n}
+
+
+def comparisons(rows: list[dict], margin: float) -> list[dict]:
+    """The DEQ against every feed-forward network, per (task, d)."""
     by_key: dict[tuple, dict[str, dict]] = {}
     for r in rows:
-        by_key.setdefault((r["dim"], r["family"], r["param"], r["loss"]), {})[r["model"]] = r
-    for (dim, family, param, loss), models in sorted(by_key.items()):
-        if "deq" not in models or len(models) < 2:
+        by_key.setdefault((r["task"], r["dim"]), {})[r["network"]] = r
+    out = []
+    for (task, dim), nets in sorted(by_key.items()):
+        if "deq" not in nets:
             continue
-        deq = models["deq"]
-        best = min((m for k, m in models.items() if k != "deq"), key=lambda m: m["fisher"])
-        ratio = best["fisher"] / deq["fisher"]
-        rel = [m["fisher_se"] / m["fisher"] for m in (best, deq) if m["fisher_se"] is not None]
-        out.append({"dim": dim, "family": family, "param": param, "loss": loss, "best_ffn": best["model"],
-                    "advantage": ratio, "advantage_se": ratio * math.sqrt(sum(x * x for x in rel)) if rel else None})
+        for network, row in sorted(nets.items(), key=lambda kv: _depth(kv[0])):
+            if network != "deq" and (res := outcome(nets["deq"]["log10_metric"], row["log10_metric"], margin)):
+                out.append({"task": task, "dim": dim, "a": row["a"], "ffn": network, **res})
     return out
 
 
-def trend(adv: list[dict]) -> list[dict]:
-    """Least-squares slope of log advantage against log k (or w) per (d, family, loss), with the standard error
-    propagated from the points' (delta-method) errors. The prediction is *supported* where the slope exceeds twice
-    its error, *contradicted* where it is below minus twice, *inconclusive* otherwise."""
-    groups: dict[tuple, list[dict]] = {}
-    for a in adv:
-        groups.setdefault((a["dim"], a["family"], a["loss"]), []).append(a)
+def judge(predictions: list[dict], compared: list[dict]) -> list[dict]:
+    """Each prediction against the comparisons it names: borne out, contradicted (an outcome other than the
+    expected one and not inconclusive) or open (some inconclusive or not yet run)."""
     rows = []
-    for (dim, family, loss), rs in sorted(groups.items()):
-        if len(rs) < 2:
-            continue
-        xs = [math.log(r["param"]) for r in rs]
-        ys = [math.log(r["advantage"]) for r in rs]
-        mx = sum(xs) / len(xs)
-        weights = [(x - mx) / sum((x - mx) ** 2 for x in xs) for x in xs]
-        slope = sum(w * y for w, y in zip(weights, ys, strict=True))
-        rel = [(r["advantage_se"] or 0.0) / r["advantage"] for r in rs]
-        se = math.sqrt(sum((w * e) ** 2 for w, e in zip(weights, rel, strict=True)))
-        verdict = "supported" if slope > 2 * se else "contradicted" if slope < -2 * se else "inconclusive"
-        rows.append({"dim": dim, "family": family, "loss": loss, "slope": slope, "slope_se": se,
-                     "advantage_first": rs[0]["advantage"], "advantage_last": rs[-1]["advantage"],
-                     "verdict": verdict})
+    for p in predictions:
+        hits = [c for c in compared if p["task"] in ("*", c["task"]) and c["dim"] == p["dim"]
+                and p["ffn"] in ("*", c["ffn"])]
+        negated = p["expected"].startswith("not ")
+        want = p["expected"].removeprefix("not ")
+        ok = [(c["outcome"] != want) if negated else (c["outcome"] == want) for c in hits]
+        verdict = ("not run" if not hits else "borne out" if all(ok)
+                   else "open" if all(o or c["outcome"] == "inconclusive" for o, c in zip(ok, hits, strict=True))
+                   else "contradicted")
+        detail = "; ".join(f"{c['task']} vs {c['ffn']}: {c['outcome']}" for c in hits)
+        rows.append({"id": p["id"], "text": p["text"], "verdict": verdict, "detail": detail})
     return rows
 
 
-def tables(rows: list[dict], adv: list[dict], trends: list[dict], args: argparse.Namespace) -> list[Table]:
-    for r in rows:
-        r["fisher_cell"] = f"{r['fisher']:.4g}" + (f" ± {r['fisher_se']:.2g}" if r["fisher_se"] is not None else "")
-        r["fisher_x1_cell"] = f"{r['fisher_x1']:.4g}" + (
-            f" ± {r['fisher_x1_se']:.2g}" if r["fisher_x1_se"] is not None else "")
-    for a in adv:
-        a["advantage_cell"] = f"{a['advantage']:.3g}" + (
-            f" ± {a['advantage_se']:.2g}" if a["advantage_se"] is not None else "")
-    main = Table("results", "Held-out Fisher divergence (seed mean ± standard error) and costs", [
-        Column("dim", "d"), Column("family", "density"), Column("param", "k / w", "g"), Column("loss", "loss"),
-        Column("model", "network"), Column("fisher_cell", "Fisher div."), Column("fisher_x1_cell", "x_1 part"),
-        Column("parameters", "params"), Column("activation_kib", "act. mem. (KiB)", ".0f"),
-        Column("ms_per_step", "ms / step", ".1f"), Column("solver_iters", "solver iters", ".1f"),
-        Column("max_abs_weight", "max |w|", ".2f"), Column("participation_ratio", "PR", ".1f"),
+def tables(rows: list[dict], compared: list[dict], judged: list[dict], protocol: dict, off: dict) -> list[Table]:
+    budget = protocol["budget"]
+    main = Table("results", "Held-out metric (seed mean ± standard error) and diagnostics", [
+        Column("task", "task"), Column("dim", "d"), Column("a", "slope a_d", ".3g"), Column("network", "network"),
+        Column("seeds", "seeds"), Column("metric_cell", "metric"), Column("untrained_cell", "untrained"),
+        Column("control", "trivial", ".3g"), Column("still_falling", "seeds still falling"),
+        Column("slope_cell", "largest slope"), Column("lipschitz_cap", "Lipschitz cap", ".3g"),
+        Column("parameters", "params"), Column("spectral", "max ||W||_2", ".3f"), Column("max_abs", "max |w|", ".2f"),
+        Column("solver_iters", "solver iters", ".1f"), Column("capped_solves", "capped solves", ".3f"),
+        Column("contraction", "contraction", ".3f"), Column("derivative_error", "phantom deriv. err.", ".2g"),
+        Column("gradient_error", "grad. err. vs unrolled", ".2g"), Column("ms_per_step", "ms / step", ".1f"),
     ], rows, notes=[
-        f"{args.steps} Adam steps (lr {args.lr}), batch {args.batch} of fresh exact samples, {args.seeds} seeds; "
-        f"Fisher divergence on {args.eval_samples} held-out samples; DSM at sigma = {args.sigma} (sigma^2 weighting), "
-        "SSM-VR with one Rademacher projection.",
-        f"deq: DEQ-MLP of width {args.deq_width} (Anderson, rel. tol 1e-4, max 40 iterations, "
-        f"{args.phantom_steps} phantom steps); "
-        "ffnL: L tanh hidden layers, width matched to the DEQ's parameters within 5 %.",
-        "act. mem.: tensors saved for backward by one training step (deqscore.metrics.step_activation_bytes); "
-        "PR: participation ratio of the last hidden layer (the DEQ's fixed point) on the held-out samples.",
+        "metric: RMSE (regression) or Fisher divergence (score) on "
+        f"{protocol['evaluation']['samples']} held-out exact samples; untrained: the same network at initialisation; "
+        "trivial: predicting 0 (regression) or the Gaussian score -x (score).",
+        f"Every weight matrix has spectral norm <= {budget['weight_spectral_bound']:g}, the DEQ's recurrent matrix <= "
+        f"{budget['deq_contraction_bound']:g}; Lipschitz cap: B^(L+1) or B^2 / (1 - gamma); largest slope: "
+        "max |d y_1 / d x_1| over 2048 held-out samples.",
+        f"seeds still falling: held-out metric down by more than {protocol['flattened']['relative_drop']:.0%} over "
+        f"the last {protocol['flattened']['window']:.0%} of the steps (the budget did not finish that run).",
+        "DEQ diagnostics on the final weights (largest over seeds): contraction at the fixed point, the phantom "
+        "steps' input-derivative error against the implicit derivative, the objective's parameter-gradient error "
+        "against an unrolled solve, and the share of training solves that stopped at max_iter.",
+        *([f"Off protocol: {off}."] if off else []),
     ])
-    adv_table = Table("advantage", "DEQ advantage: best MLP Fisher / DEQ Fisher (> 1: DEQ better)", [
-        Column("dim", "d"), Column("family", "density"), Column("param", "k / w", "g"), Column("loss", "loss"),
-        Column("best_ffn", "best MLP"), Column("advantage_cell", "advantage"),
-    ], adv)
-    trend_table = Table("trend", "Prediction: the advantage grows with k and w", [
-        Column("dim", "d"), Column("family", "density"), Column("loss", "loss"),
-        Column("slope", "slope of log adv. vs log k (or w)", ".3f"), Column("slope_se", "its s.e.", ".3f"),
-        Column("advantage_first", "adv. at smallest", ".3g"), Column("advantage_last", "adv. at largest", ".3g"),
-        Column("verdict", "prediction"),
-    ], trends, notes=["supported: slope > 2 s.e.; contradicted: slope < -2 s.e.; inconclusive otherwise. An "
-                      "advantage far below 1 throughout means the DEQ lost at every k or w, whatever the slope."])
-    return [main, adv_table, trend_table]
+    margin = protocol["rule"]["margin_log10"]
+    comp = Table("comparisons", f"DEQ against each feed-forward network (log10 metric, margin {margin:g})", [
+        Column("task", "task"), Column("dim", "d"), Column("ffn", "network"), Column("d", "FFN − DEQ", ".3f"),
+        Column("se", "s.e.", ".3f"), Column("lower", "L", ".3f"), Column("upper", "U", ".3f"),
+        Column("outcome", "outcome"),
+    ], compared, notes=["Positive: the DEQ's error is lower. deq_better: L > margin; ffn_better: U < -margin; "
+                        "equivalent: both bounds within the margin; inconclusive otherwise."])
+    pred = Table("predictions", "Predictions, stated in the protocol before the runs", [
+        Column("id", "id"), Column("text", "prediction"), Column("verdict", "verdict"), Column("detail", "outcomes"),
+    ], judged)
+    return [main, comp, pred]
 
 
-def plot(rows: list[dict], adv: list[dict], out: Path) -> list[str]:
-    """Fisher divergence against k / w per network, and the advantage; PNG files (none without matplotlib)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib is not installed: no plots")
-        return []
-    written = []
-    dims, losses = sorted({r["dim"] for r in rows}), sorted({r["loss"] for r in rows})
-    for family, label in (("steep", "k"), ("osc", "w")):
-        fig, axes = plt.subplots(len(dims), len(losses), figsize=(5 * len(losses), 3.6 * len(dims)), squeeze=False)
-        for i, dim in enumerate(dims):
-            for j, loss in enumerate(losses):
-                ax = axes[i][j]
-                for model in sorted({r["model"] for r in rows}):
-                    rs = sorted((r for r in rows if (r["dim"], r["family"], r["loss"], r["model"]) ==
-                                 (dim, family, loss, model)), key=lambda r: r["param"])
-                    if rs:
-                        ax.errorbar([r["param"] for r in rs], [r["fisher"] for r in rs],
-                                    yerr=[r["fisher_se"] or 0 for r in rs], marker="o", capsize=3, label=model)
-                ax.set(xscale="log", yscale="log", xlabel=label, ylabel="Fisher divergence",
-                       title=f"{family}, d = {dim}, {loss}")
-                if ax.get_legend_handles_labels()[0]:
-                    ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out / f"fisher_{family}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path.name)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key in sorted({(a["dim"], a["family"], a["loss"]) for a in adv}):
-        rs = sorted((a for a in adv if (a["dim"], a["family"], a["loss"]) == key), key=lambda a: a["param"])
-        ax.errorbar([a["param"] for a in rs], [a["advantage"] for a in rs], yerr=[a["advantage_se"] or 0 for a in rs],
-                    marker="o", capsize=3, label=f"d={key[0]} {key[1]} {key[2]}")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set(xscale="log", yscale="log", xlabel="k (steep) / w (osc)", ylabel="best MLP / DEQ Fisher")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "advantage.png", dpi=110)
-    plt.close(fig)
-    return [*written, "advantage.png"]
-
-
-def write(records: list[dict], args: argparse.Namespace, env: dict) -> dict:
-    """Tables (md + json) and plots under ``--out``; the JSON document."""
+def write(records: list[dict], args: argparse.Namespace, protocol: dict, sha: str) -> dict:
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     rows = summarise(records)
-    adv = advantages(rows)
-    trends = trend(adv)
-    all_tables = tables(rows, adv, trends, args)
-    pngs = plot(rows, adv, out)
-    settings = {k: v for k, v in vars(args).items() if k not in ("densities", "report_only")}
-    settings["units"] = len(records)
-    settings["densities"] = [d.name for d in args.densities]
-    doc = {"environment": env, "settings": settings, "plots": pngs,
-           "sections": {t.name: t.as_dict() for t in all_tables}}
-    md = ["# DEQ vs feed-forward score networks on densities with known scores", ""]
+    compared = comparisons(rows, protocol["rule"]["margin_log10"])
+    judged = judge(protocol["predictions"], compared)
+    off = off_protocol(args, protocol)
+    all_tables = tables(rows, compared, judged, protocol, off)
+    env = environment(torch.device("cpu"))
+    doc = {"environment": env, "protocol": {"version": protocol["version"], "sha256": sha}, "units": len(records),
+           "off_protocol": off, "sections": {t.name: t.as_dict() for t in all_tables}}
+    md = ["# DEQ against constant-depth feed-forward networks on steep functions of one coordinate", ""]
     md += [f"* **{k}**: {v}" for k, v in env.items()]
-    md += ["", "Prediction (stated before running): the DEQ's advantage grows with k and w.", ""]
+    md += [f"* **protocol**: version {protocol['version']}, SHA-256 {sha[:12]}…; {len(records)} units", ""]
     md += [table_markdown(t) for t in all_tables]
-    md += [f"![{p}]({p})" for p in pngs]
     (out / "deq_vs_ffn.md").write_text("\n".join(md) + "\n")
     (out / "deq_vs_ffn.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     return doc
 
 
+def off_protocol(args: argparse.Namespace, protocol: dict) -> dict:
+    """The options that depart from the protocol (a run with any is a smoke run, not the study)."""
+    c = protocol["construction"]
+    given = {"steps": args.steps, "seeds": args.seeds, "dims": args.dims, "tasks": list(args.tasks),
+             "networks": list(args.networks)}
+    wanted = {"steps": protocol["training"]["steps"], "seeds": protocol["seeds"], "dims": c["dims"],
+              "tasks": list(TASKS), "networks": [k for k in protocol["networks"] if k != "deq_width"]}
+    return {k: v for k, v in given.items() if v != wanted[k]}
+
+
+def _list(kind: Callable[[str], object], choices: tuple | None = None) -> Callable[[str], list]:
+    def parse(text: str) -> list:
+        values = [kind(v) for v in text.split(",") if v]
+        if choices is not None and (bad := [v for v in values if v not in choices]):
+            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(map(str, choices))}")
+        return values
+    return parse
+
+
+def _shard(text: str) -> tuple[int, int]:
+    index, _, count = text.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        raise argparse.ArgumentTypeError(f"--shard wants I/N with 0 <= I < N, got {text!r}")
+    return int(index), int(count)
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
+    protocol, _ = load_protocol()
+    networks = tuple(k for k in protocol["networks"] if k != "deq_width")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=300, help="Adam steps per unit")
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--sigma", type=float, default=0.05, help="the DSM noise level")
-    parser.add_argument("--deq-width", type=int, default=64)
-    parser.add_argument("--phantom-steps", type=int, default=2, help="K of the DEQ's phantom backward")
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--dims", default="2,8")
-    parser.add_argument("--densities", default=",".join(d.name for d in DENSITIES),
-                        help="from " + ", ".join(d.name for d in DENSITIES))
-    parser.add_argument("--models", default="deq," + ",".join(f"ffn{L}" for L in FFN_DEPTHS))
-    parser.add_argument("--losses", default=",".join(LOSSES))
-    parser.add_argument("--eval-samples", type=int, default=8192)
+    parser.add_argument("--tasks", type=_list(str, TASKS), default=list(TASKS))
+    parser.add_argument("--dims", type=_list(int), default=protocol["construction"]["dims"])
+    parser.add_argument("--networks", type=_list(str, networks), default=list(networks))
+    parser.add_argument("--seeds", type=int, default=protocol["seeds"])
+    parser.add_argument("--steps", type=int, default=protocol["training"]["steps"])
+    parser.add_argument("--shard", type=_shard, default=(0, 1), help="I/N: run every N-th unit from the I-th")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=DEFAULT_OUT)
-    parser.add_argument("--report-only", action="store_true",
-                        help="tables and plots from the units already on disk; train nothing")
-    args = parser.parse_args(argv)
-    known = {d.name: d for d in DENSITIES}
-    names = [n for n in args.densities.split(",") if n]
-    if unknown := sorted(set(names) - set(known)):
-        parser.error(f"unknown densities {unknown}; choose from {sorted(known)}")
-    args.densities = [known[n] for n in names]
-    args.dims = [int(v) for v in args.dims.split(",") if v]
-    args.models = [m for m in args.models.split(",") if m]
-    if bad := [m for m in args.models if m != "deq" and not (m.startswith("ffn") and m[3:].isdigit())]:
-        parser.error(f"unknown models {bad}; use deq and ffn<depth>")
-    args.losses = [lo for lo in args.losses.split(",") if lo]
-    if bad := sorted(set(args.losses) - set(LOSSES)):
-        parser.error(f"unknown losses {bad}; choose from {LOSSES}")
-    return args
+    parser.add_argument("--report-only", action="store_true", help="tables from the units on disk; train nothing")
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
+    protocol, sha = load_protocol()
     torch.set_num_threads(args.threads)
-    env = environment(torch.device("cpu"))
-    records = run_all(args)
-    return write(records, args, env)
+    records = run_all(args, protocol, sha)
+    return write(records, args, protocol, sha)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from .layer import (
     deq_backward,
     require_backward,
 )
-from .norm import FrobeniusScale, frobenius_scale, spectral_normalize
+from .norm import FrobeniusScale, SpectralCap, frobenius_scale, spectral_cap, spectral_normalize
 from .solvers import (
     NonFiniteIterateError,
     SolverStats,
@@ -27,11 +27,13 @@ __all__ = [
     "NonFiniteIterateError",
     "SecondOrderIFTError",
     "SolverStats",
+    "SpectralCap",
     "available_solvers",
     "deq_backward",
     "frobenius_scale",
     "get_solver",
     "register_solver",
     "require_backward",
+    "spectral_cap",
     "spectral_normalize",
 ]

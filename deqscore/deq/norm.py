@@ -119,3 +119,35 @@ def spectral_normalize(
         module, "weight", _SpectralScale(module.weight.detach(), n_power_iterations, eps, conv)
     )
     return module
+
+
+class SpectralCap(nn.Module):
+    """Parametrisation ``W * min(1, bound / ||W||_2)`` with the exact spectral norm (a singular value
+    decomposition per call: for the small dense matrices of studies, where a power-iteration estimate's error
+    would blur the bound being studied). Below the bound the weight is untouched; above it, scaled onto it."""
+
+    def __init__(self, bound: float):
+        super().__init__()
+        if not bound > 0:
+            raise ValueError(f"a spectral bound must be positive, got {bound}")
+        self.bound = bound
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        norm = torch.linalg.matrix_norm(weight, ord=2)
+        return weight * torch.clamp(self.bound / norm.clamp_min(1e-30), max=1.0)
+
+
+def spectral_cap(module: nn.Linear, bound: float) -> nn.Linear:
+    """Parametrise ``module.weight`` (a Linear) to have spectral norm at most ``bound`` (:class:`SpectralCap`).
+    With a 1-Lipschitz activation, a fixed-point map ``act(W z + u)`` with ``bound < 1`` is then a contraction.
+
+    >>> lin = spectral_cap(nn.Linear(6, 6), 0.5)
+    >>> with torch.no_grad():
+    ...     _ = lin.parametrizations.weight.original.mul_(100.0)
+    >>> round(float(torch.linalg.matrix_norm(lin.weight, ord=2)), 6)
+    0.5
+    """
+    if not isinstance(module, nn.Linear):
+        raise TypeError(f"spectral_cap supports nn.Linear, got {type(module).__name__}")
+    parametrize.register_parametrization(module, "weight", SpectralCap(bound))
+    return module
