@@ -17,33 +17,40 @@ import re
 import signal
 import sys
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
 
 from jsonargparse import Namespace
+from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
+from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.utilities import rank_zero_info
 
 from ..data.errors import CorruptDataError, DataNotFoundError
 from ..deq import DEQ
 from ..errors import ConfigError
 from ..lightning import family_registry
-from ..lightning.base import CODEC_KEY, FAMILY_KEY, CheckpointFamilyError, ScoreModule
+from ..lightning.base import CODEC_KEY, FAMILY_KEY, CheckpointFamilyError, NonFiniteLossError, ScoreModule
 from ..lightning.callbacks import ConfiguredOptimizerOptions, Preempted, SaveOnInterrupt
 from ..lightning.checkpoint import read_checkpoint
 from ..lightning.runs import (
     AtomicCheckpointIO,
     RunLock,
+    check_checkpoint_dirpath,
     check_writable_run_dir,
     checkpoint_log_step,
     checkpoint_run_dir,
+    holds_a_run,
     prepare_fresh_run,
     truncate_log_after,
 )
 from .errors import UsageError, print_error, usage_error
+from .ranks import LostRankError, is_lost_peer, lost_rank_message
 
 OPTIMIZER_HINT = "any torch.optim optimizer by class name or class_path, e.g. Adam, AdamW, SGD, RMSprop"
 USAGE_ERRORS = (ConfigError, DataNotFoundError, CorruptDataError)  # a user's mistake: one line, no traceback
+PROCESS_GROUP_TIMEOUT_S = 1800.0  # Lightning's and torch's default for gloo: a slow rank is not a lost one
 LR_SCHEDULER_HINT = "any torch.optim.lr_scheduler class by name or class_path, e.g. StepLR, CosineAnnealingLR"
 
 
@@ -166,6 +173,7 @@ class DeqscoreCLI(LightningCLI):
     def __init__(self, *args, **kwargs):
         self._argv = list(kwargs.get("args") if kwargs.get("args") is not None else sys.argv[1:])
         check_config_files(self._argv)
+        self._launcher_pid = os.getppid()  # a DDP worker whose launcher (rank 0) dies gets another parent
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})  # re-running in a run dir must not abort
         trainer_defaults = {"inference_mode": False}  # score matching takes input gradients in val/test
         trainer_defaults.update(kwargs.pop("trainer_defaults", {}) or {})
@@ -236,6 +244,21 @@ class DeqscoreCLI(LightningCLI):
         _place_in_checkpoint_run(cfg, self._argv)
 
     def _run_subcommand(self, subcommand: str) -> None:
+        strategy = self.trainer.strategy
+        if isinstance(strategy, DDPStrategy):  # read when the process group is made, at the start of fit/test
+            strategy._timeout = timedelta(seconds=self.config[subcommand].process_group_timeout)
+        try:
+            self._run_in_run_dir(subcommand)
+        except Exception as err:
+            if not (strategy.world_size > 1 and is_lost_peer(err)):
+                raise
+            cfg = self.config[subcommand]
+            launcher_lost = launch_rank() != 0 and os.getppid() != self._launcher_pid
+            last = Path(cfg.runs_root) / cfg.run_name / "checkpoints" / "last.ckpt"
+            message = lost_rank_message(err, strategy, launcher_lost, cfg.process_group_timeout, str(last))
+            raise LostRankError(message or "") from err
+
+    def _run_in_run_dir(self, subcommand: str) -> None:
         cfg = self.config[subcommand]
         run_dir = Path(cfg.runs_root) / cfg.run_name
         self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
@@ -247,8 +270,13 @@ class DeqscoreCLI(LightningCLI):
         for part in (self.model, *self.trainer.callbacks):  # refusals that would otherwise come at setup
             if hasattr(part, "check_run"):
                 part.check_run(self.trainer, self.datamodule)
+            if isinstance(part, ModelCheckpoint) and part.dirpath is not None:
+                check_checkpoint_dirpath(part.dirpath, run_dir)
         with RunLock(run_dir):
-            if subcommand == "fit" and cfg.get("ckpt_path"):
+            if subcommand == "fit" and cfg.get("ckpt_path") and checkpoint_run_dir(cfg.ckpt_path) is None:
+                self._start_run_from(run_dir, cfg)
+                self._continue_run(run_dir, cfg)
+            elif subcommand == "fit" and cfg.get("ckpt_path"):
                 self._continue_run(run_dir, cfg)
             elif subcommand == "fit":
                 self.datamodule.prepare_data()  # missing data fails here, before anything on disk is touched
@@ -256,6 +284,17 @@ class DeqscoreCLI(LightningCLI):
                 if moved is not None:
                     rank_zero_info(f"the previous run in {run_dir} was moved to {moved}")
             super()._run_subcommand(subcommand)
+
+    def _start_run_from(self, run_dir: Path, cfg: Namespace) -> None:
+        """A checkpoint kept outside any run directory starts a run of its own in the configured directory: never
+        one that holds another run (unless ``--overwrite_run`` moves that run aside)."""
+        if holds_a_run(run_dir) and not cfg.overwrite_run:
+            usage_error(f"ckpt_path: {cfg.ckpt_path} lies outside any run directory, so it starts a run of its own, "
+                        f"but {run_dir} already holds a run; choose another --run_name, or pass --overwrite_run true "
+                        f"to move that run aside (to resume that run: --ckpt_path {run_dir}/checkpoints/last.ckpt)")
+        moved = prepare_fresh_run(run_dir, cfg.overwrite_run)
+        if moved is not None:
+            rank_zero_info(f"the previous run in {run_dir} was moved to {moved}")
 
     def _continue_run(self, run_dir: Path, cfg: Namespace) -> None:
         """A resume: drop the log rows written after the checkpoint (they are logged again) and apply the
@@ -277,6 +316,8 @@ class DeqscoreCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--run_name", type=str, default="run", help="name of the run directory")
         parser.add_argument("--runs_root", type=str, default="checkpoints", help="folder holding run directories")
+        parser.add_argument("--process_group_timeout", type=float, default=PROCESS_GROUP_TIMEOUT_S,
+                            help="seconds a process waits for the others in a collective (DDP) before the run stops")
         parser.add_argument("--overwrite_run", type=bool, default=False,
                             help="a fresh fit into a run directory that holds a run moves the old run aside")
         # the network's input dimension is the data's: one --data option switches data set and network together
@@ -428,6 +469,14 @@ def run(args: list[str] | None = None) -> int:
     except USAGE_ERRORS as err:  # found after parsing: no optimizer, no data
         print_error(str(err))
         return 2
+    except LostRankError as err:  # said by the process that can tell (the first of its node); the others quiet
+        if str(err):
+            print_error(str(err))
+        return 1
+    except NonFiniteLossError as err:  # every rank stopped at the same step; the line once, from the first
+        if launch_rank() == 0:
+            print_error(str(err))
+        return 1
     return 0
 
 

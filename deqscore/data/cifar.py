@@ -23,8 +23,8 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
-import shutil
 import tarfile
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ import numpy as np
 
 from deqscore.data.base import ImageDataModule
 from deqscore.data.errors import CorruptDataError, DataNotFoundError
+from deqscore.files import staged
 
 __all__ = ["CIFAR10DataModule", "load_cifar10", "read_batch"]
 
@@ -113,19 +114,19 @@ def read_batch(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _extract(archive: Path, root: Path) -> None:
-    """Extract into a scratch folder, then move the complete files into place: a damaged or interrupted archive
-    leaves no truncated batch behind."""
-    scratch = root / f".{FOLDER}.partial.{os.getpid()}"
+    """Extract into a scratch folder beside the data, then put the archive's files in place together
+    (:func:`~deqscore.files.staged`): a damaged or interrupted archive leaves no truncated batch behind."""
     try:
-        with tarfile.open(archive, "r:gz") as tar:
-            tar.extractall(scratch, filter="data")  # "data": no absolute paths, links out of root or device files
-        (root / FOLDER).mkdir(exist_ok=True)
-        for path in (scratch / FOLDER).glob("*"):
-            os.replace(path, root / FOLDER / path.name)
+        with tempfile.TemporaryDirectory(dir=root, prefix=f".{FOLDER}.") as scratch:
+            with tarfile.open(archive, "r:gz") as tar:
+                tar.extractall(scratch, filter="data")  # "data": no absolute paths, links out of root or devices
+            files = sorted(p.name for p in (Path(scratch) / FOLDER).glob("*") if p.is_file())
+            (root / FOLDER).mkdir(exist_ok=True)
+            with staged([root / FOLDER / name for name in files]) as temps:
+                for name, temp in zip(files, temps, strict=True):
+                    os.replace(Path(scratch) / FOLDER / name, temp)
     except (tarfile.TarError, OSError, EOFError) as err:
         raise CorruptDataError(f"{archive} cannot be extracted ({type(err).__name__}: {err})") from err
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _download(root: Path, train: bool) -> str:

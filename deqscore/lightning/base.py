@@ -256,7 +256,7 @@ class ScoreModule(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if not self.automatic_optimization:
             return self._manual_step(batch)
-        if self.sync_free_steps:  # kept until on_before_optimizer_step (across accumulated batches too)
+        if self._deferred_checks:  # kept until on_before_optimizer_step (across accumulated batches too)
             self._checks = self._checks if self._checks is not None else DeferredChecks()
             with deferred_checks(self._checks):
                 loss = self.model_step(batch, "train", batch_idx)
@@ -275,7 +275,7 @@ class ScoreModule(pl.LightningModule):
         optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
         losses: dict[str, list[torch.Tensor]] = defaultdict(list)
         for index, name, loss_fn in self.optimizer_steps(x):
-            if self.sync_free_steps:  # read by the on_before_optimizer_step of this optimiser's step
+            if self._deferred_checks:  # read by the on_before_optimizer_step of this optimiser's step
                 self._checks = DeferredChecks()
                 with deferred_checks(self._checks):
                     loss = loss_fn().mean()
@@ -307,7 +307,7 @@ class ScoreModule(pl.LightningModule):
         # the scale (the first steps overflow by design); the loss and input checks still stop the run.
         named = [] if self._grad_scaler() is not None else [
             (name, p.grad) for name, p in self.named_parameters() if p.grad is not None]
-        if self.sync_free_steps:
+        if self._deferred_checks:
             self._sync_free_guard(named)
             return
         finite = torch.stack([torch.isfinite(g).all() for _, g in named]) if named else torch.ones(0, dtype=bool)
@@ -317,6 +317,27 @@ class ScoreModule(pl.LightningModule):
                 f"non-finite gradient of {bad} at global step {self.global_step}: training stopped before the "
                 "update, last good checkpoint kept"
             )
+
+    @property
+    def _several_processes(self) -> bool:
+        trainer = self._trainer
+        return trainer is not None and trainer.world_size > 1
+
+    @property
+    def _deferred_checks(self) -> bool:
+        # With several processes a step's finiteness checks are read on every rank at the same point, after the
+        # backward: a rank that raised alone in its forward would leave the others waiting in the gradient
+        # all-reduce until the process group's timeout.
+        return self.sync_free_steps or self._several_processes
+
+    def _on_every_rank(self, flags: torch.Tensor) -> torch.Tensor:
+        """``[world, n]``: the step's check flags of every process (a collective under DDP, reached by every rank
+        in the same step), or ``[1, n]`` for one process."""
+        if not self._several_processes:
+            return flags[None]
+        rows = [torch.empty_like(flags) for _ in range(self.trainer.world_size)]
+        torch.distributed.all_gather(rows, flags.contiguous())
+        return torch.stack(rows)
 
     def _logging_step(self) -> bool:
         trainer = self._trainer
@@ -329,21 +350,37 @@ class ScoreModule(pl.LightningModule):
         for name, grad in named:
             checks.add(torch.isfinite(grad).all(), f"gradient of {name}")
         pending = [(d, d.take_deferred()) for d in self.deq_layers()] if self._logging_step() else []
-        parts = [f.float() for f in checks.flags] + [v.float() for _, p in pending for v in p.values()]
-        values = torch.stack(parts).tolist() if parts else []  # the step's one host sync
-        bad = [name for name, ok in zip(checks.names, values, strict=False) if not ok]
-        if bad:
-            raise NonFiniteLossError(
-                f"non-finite {', '.join(bad)} at global step {self.global_step}, epoch {self.current_epoch}: "
-                "training stopped before the update, last good checkpoint kept"
-            )
+        flags = self._on_every_rank(checks.stacked().to(self.device, torch.float32))
+        counts = [v.float().reshape(1) for _, p in pending for v in p.values()]
+        values = torch.cat([flags.flatten(), *counts]).tolist()  # the step's one host sync
+        n = len(checks)
+        bad = {rank: [name for name, ok in zip(checks.names, values[rank * n:(rank + 1) * n], strict=True) if not ok]
+               for rank in range(flags.shape[0])}
+        if any(bad.values()):
+            raise NonFiniteLossError(self._non_finite_message({rank: names for rank, names in bad.items() if names}))
         total: dict[str, float] = defaultdict(float)
-        it = iter(values[len(checks):])
+        it = iter(values[flags.numel():])
         for _, p in pending:
             for name in p:
                 total[name] += next(it)
         if pending and total:  # one warning for all layers per logging interval
             next(d for d, p in pending if p).report_deferred(dict(total))
+
+    def _non_finite_message(self, bad: dict[int, list[str]]) -> str:
+        """One line: what was non-finite (on which ranks, with several processes), and that nothing was updated."""
+        where = f"at global step {self.global_step}, epoch {self.current_epoch}"
+        if not self._several_processes:
+            return f"non-finite {', '.join(bad[0])} {where}: training stopped before the update, last good " \
+                   "checkpoint kept"
+
+        def what(names: list[str]) -> str:  # a non-finite loss spreads to every gradient through the all-reduce
+            grads = [n for n in names if n.startswith("gradient of ")]
+            rest = [n for n in names if n not in grads]
+            return ", ".join(rest + ([f"{len(grads)} gradients"] if grads else []))
+
+        ranks = "; ".join(f"rank {rank}: {what(names)}" for rank, names in sorted(bad.items()))
+        return (f"non-finite values {where} ({ranks}): every process stopped before the update, last good "
+                "checkpoint kept")
 
     def configure_optimizers(self) -> Any:
         # LightningCLI replaces this method by the config's `optimizer:` (and `lr_scheduler:`) keys

@@ -94,6 +94,38 @@ def holds_a_run(run_dir: Path) -> list[str]:
     return [m for m in RUN_MARKERS if (Path(run_dir) / m).exists()]
 
 
+def lock_holder(run_dir: Path) -> str | None:
+    """The process holding ``run_dir``'s :class:`RunLock` (its pid as written), or None when it is free."""
+    path = Path(run_dir).parent / f".{Path(run_dir).name}.lock"
+    if not path.exists():
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None
+    except BlockingIOError:
+        return os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+    finally:
+        os.close(fd)  # closing drops a shared lock taken above
+
+
+def check_checkpoint_dirpath(dirpath: str | Path, run_dir: Path) -> None:
+    """Raise :class:`ConfigError` when a checkpoint callback's own ``dirpath`` lies in another run's directory (one
+    that holds a run, or that another process holds): its checkpoints would land among that run's files."""
+    target, own = Path(dirpath).resolve(), Path(run_dir).resolve()
+    if target == own or own in target.parents:
+        return
+    for other in (target, target.parent):  # the folder itself, or a folder of it (a run's checkpoints/)
+        holder = lock_holder(other)
+        # what train.py writes into every run: its config and a checkpoints folder or a log
+        found = [m for m in holds_a_run(other) if m != "hparams.yaml"] if (other / "config.yaml").is_file() else []
+        if holder is not None or len(found) > 1:
+            why = f"is in use by process {holder}" if holder is not None else f"holds a run ({', '.join(found)})"
+            raise ConfigError(
+                f"ModelCheckpoint dirpath {dirpath} lies in the run directory {other}, which {why}; leave dirpath "
+                f"out (checkpoints then go to {run_dir / 'checkpoints'}) or choose a folder outside every run")
+
+
 def checkpoint_run_dir(ckpt_path: str | Path) -> Path | None:
     """The run directory that holds ``ckpt_path`` (``<run>/checkpoints/<file>.ckpt``: the layout every run writes),
     or None for a checkpoint kept elsewhere."""

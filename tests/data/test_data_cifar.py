@@ -2,6 +2,7 @@
 restricted unpickling, offline and corrupt-file errors, the LMDB cache and seeded flips."""
 
 import hashlib
+import os
 import pickle
 import shutil
 import urllib.request
@@ -192,6 +193,26 @@ def test_a_damaged_archive_is_corrupt_data_naming_it(tmp_path):
     with pytest.raises(CorruptDataError, match="cifar-10-python.tar.gz cannot be extracted"):
         load_cifar10(tmp_path, train=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cifar-10-python.tar.gz"]  # nothing half-extracted
+
+
+def test_an_extraction_stopped_while_placing_files_places_none(tmp_path, monkeypatch):
+    """The archive's files are placed together (files.staged): a failure at the third leaves no batch at all."""
+    write_cifar10(tmp_path, archive=True)
+    real, placed = os.replace, []
+
+    def failing_replace(src, dst):
+        if len(placed) == 2:
+            raise OSError(28, "No space left on device")
+        placed.append(dst)
+        return real(src, dst)
+
+    monkeypatch.setattr(cifar_module.os, "replace", failing_replace)
+    with pytest.raises(CorruptDataError, match="cannot be extracted.*No space left"):
+        load_cifar10(tmp_path, train=True)
+    assert list((tmp_path / "cifar-10-batches-py").iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cifar-10-batches-py", "cifar-10-python.tar.gz"]
+    monkeypatch.setattr(cifar_module.os, "replace", real)
+    assert len(load_cifar10(tmp_path, train=True)[0]) > 0  # extracted whole on the next try
 
 
 def test_the_lmdb_cache_serves_the_same_pixels_without_the_files(tmp_path, quiet):

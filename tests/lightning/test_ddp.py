@@ -1,8 +1,10 @@
 """Multi-process training on CPU (gloo): run in subprocesses, since the ddp strategy relaunches the command."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import pytorch_lightning as pl
@@ -158,3 +160,103 @@ def test_two_nodes_train_checkpoint_and_resume_as_two_processes_on_one(tmp_path)
     assert resumed["global_step"] == straight["global_step"] == 4
     for key, value in straight["state_dict"].items():
         assert torch.allclose(resumed["state_dict"][key], value, rtol=1e-5, atol=1e-6), key
+
+
+def test_a_non_finite_loss_on_one_rank_stops_every_rank_before_the_update(tmp_path):
+    """Rank 1's loss is NaN at step 1 (tests/lightning/faults.py): both processes stop in that step, none hangs
+    in the gradient all-reduce, rank 0 prints one line naming rank 1, and the last checkpoint is step 1's."""
+    args = ["train.py", "fit", *tiny_args(tmp_path, "configs/nice/explicit.yaml", "nan"), "--model.class_path",
+            "tests.lightning.faults.NonFiniteOnRankOne", "--trainer.max_steps", "4", "--trainer.devices", "2",
+            "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu"]
+    proc = _run(args, returncode=1)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("train.py: error:")]
+    assert len(errors) == 1 and "rank 1: train loss" in errors[0] and "global step 1" in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    last = torch.load(tmp_path / "nan" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 1
+    assert all(torch.isfinite(v).all() for v in last["state_dict"].values())
+
+
+DDP_CPU = ["--trainer.devices", "2", "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu"]
+
+
+def _start(args):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _kill_after_first_checkpoint(proc, run, victim):
+    """SIGKILL one rank of a running 2-process fit once it has written a checkpoint: ``victim(proc)`` is its pid;
+    the run's stderr and the seconds from the kill to the end of every process."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (run / "checkpoints" / "last.ckpt").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    killed = time.monotonic()
+    os.kill(victim(proc), signal.SIGKILL)
+    try:
+        _, err = proc.communicate(timeout=TIMEOUT_S)  # also waits for the surviving rank: its pipes are these
+    finally:
+        proc.kill()
+    return err, time.monotonic() - killed
+
+
+def _child_pid(proc):
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (pids := subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    return int(pids[0])
+
+
+def _errors(stderr):
+    return [line for line in stderr.splitlines() if line.startswith("train.py: error:")]
+
+
+def test_a_killed_rank_is_named_and_the_run_resumes_exactly(tmp_path):
+    """kill -9 of rank 1 mid-training: rank 0 stops within seconds with one line naming rank 1; the run resumes
+    from its last checkpoint to the weights of an uninterrupted run."""
+    fit = ["train.py", "fit", *tiny_args(tmp_path, "configs/nice/explicit.yaml", "killed"), *DDP_CPU]
+    proc = _start([*fit, "--trainer.max_steps", "100000"])
+    run = tmp_path / "killed"
+    err, seconds = _kill_after_first_checkpoint(proc, run, _child_pid)
+    assert proc.returncode == 1 and seconds < 30, err[-3000:]
+    lines = _errors(err)
+    assert len(lines) == 1 and "rank 1 (pid" in lines[0] and "SIGKILL" in lines[0], err[-3000:]
+    assert "Traceback" not in err
+    step = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"]
+    target = ["--trainer.max_steps", str(step + 4)]
+    _run(["train.py", "fit", "--config", str(run / "config.yaml"), "--ckpt_path",
+          str(run / "checkpoints" / "last.ckpt"), *target])
+    _run(["train.py", "fit", *tiny_args(tmp_path, "configs/nice/explicit.yaml", "straight"), *DDP_CPU, *target])
+    resumed = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    straight = torch.load(tmp_path / "straight" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert resumed["global_step"] == straight["global_step"] == step + 4
+    for key, value in straight["state_dict"].items():
+        assert torch.equal(resumed["state_dict"][key], value), key
+
+
+def test_a_killed_rank_zero_is_named_by_the_rank_it_launched(tmp_path):
+    fit = ["train.py", "fit", *tiny_args(tmp_path, "configs/nice/explicit.yaml", "killed0"), *DDP_CPU,
+           "--trainer.max_steps", "100000"]
+    proc = _start(fit)
+    err, seconds = _kill_after_first_checkpoint(proc, tmp_path / "killed0", lambda p: p.pid)
+    assert seconds < 30
+    lines = _errors(err)
+    assert len(lines) == 1 and "rank 0 (this process's launcher) was lost" in lines[0], err[-3000:]
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_answering_is_stopped_after_the_process_group_timeout(tmp_path):
+    """Rank 1 sleeps in step 1 (tests/lightning/faults.py): rank 0 waits --process_group_timeout, then stops it
+    and names it; nothing of the run is left running."""
+    args = ["train.py", "fit", *tiny_args(tmp_path, "configs/nice/explicit.yaml", "stuck"), *DDP_CPU,
+            "--model.class_path", "tests.lightning.faults.StuckOnRankOne", "--trainer.max_steps", "4",
+            "--process_group_timeout", "15"]
+    started = time.monotonic()
+    proc = _run(args, returncode=1)
+    assert time.monotonic() - started < 15 + 40  # not the stuck rank's 60 s
+    lines = _errors(proc.stderr)
+    assert len(lines) == 1 and "rank 1 (pid" in lines[0] and "process-group timeout (15 s)" in lines[0], \
+        proc.stderr[-3000:]

@@ -10,13 +10,14 @@ import signal
 import pytest
 import pytorch_lightning as pl
 import torch
+import yaml
 
 from deqscore import files
 from deqscore.cli.train import main, run
 from deqscore.lightning.callbacks import read_metrics_csv
 from deqscore.lightning.runs import AtomicCheckpointIO, RunLock
 
-from .conftest import tiny_args
+from .conftest import ROOT, tiny_args
 
 EXPLICIT = "configs/nice/explicit.yaml"
 
@@ -230,6 +231,46 @@ def test_a_copied_run_resumes_in_the_copy_and_leaves_the_original_unchanged(tmp_
     err = capsys.readouterr().err
     assert f"belongs to the run in {tmp_path / 'c'}" in err and f"the run directory {tmp_path / 'r'}" in err, err
     assert "Traceback" not in err and _tree(tmp_path) == before
+
+
+def test_a_checkpoint_kept_outside_any_run_starts_a_run_of_its_own_never_into_another(tmp_path, capsys):
+    _fit(tmp_path, "r")
+    kept = tmp_path / "kept.ckpt"  # e.g. a colleague's checkpoint, outside any run directory
+    shutil.copy(tmp_path / "r" / "checkpoints" / "last.ckpt", kept)
+    before = _tree(tmp_path / "r")
+    args = ["fit", *tiny_args(tmp_path, EXPLICIT, "r"), "--trainer.max_epochs", "2", "--ckpt_path", str(kept)]
+    assert run(args) == 2  # the configured run directory holds another run: refused, nothing written
+    err = capsys.readouterr().err
+    assert "lies outside any run directory" in err and "--overwrite_run true" in err and "Traceback" not in err
+    assert _tree(tmp_path / "r") == before
+    assert run(["fit", *tiny_args(tmp_path, EXPLICIT, "fresh"), "--trainer.max_epochs", "2", "--ckpt_path",
+                str(kept)]) == 0  # a directory of its own: the run continues from the checkpoint's epoch
+    assert torch.load(tmp_path / "fresh" / "checkpoints" / "last.ckpt", weights_only=False)["epoch"] == 1
+    assert run([*args, "--overwrite_run", "true"]) == 0  # or the other run moved aside, whole
+    assert _tree(tmp_path / "r.1") == before
+
+
+def test_a_checkpoint_dirpath_in_another_run_is_refused(tmp_path, capsys):
+    _fit(tmp_path, "a")
+    callbacks = yaml.safe_load((ROOT / EXPLICIT).read_text())["trainer"]["callbacks"]
+
+    def fit_b(dirpath):  # the config's first ModelCheckpoint writing to dirpath (a config given after the first)
+        callbacks[0]["init_args"]["dirpath"] = str(dirpath)
+        extra = tmp_path / "dirpath.yaml"
+        extra.write_text(yaml.safe_dump({"trainer": {"callbacks": callbacks}}))
+        return run(["fit", *tiny_args(tmp_path, EXPLICIT, "b"), "--config", str(extra)])
+
+    before = _tree(tmp_path / "a")
+    assert fit_b(tmp_path / "a" / "checkpoints") == 2
+    err = capsys.readouterr().err
+    assert f"ModelCheckpoint dirpath {tmp_path / 'a' / 'checkpoints'} lies in the run directory" in err, err
+    assert "holds a run" in err and "Traceback" not in err
+    assert _tree(tmp_path / "a") == before and not (tmp_path / "b").exists()
+    with RunLock(tmp_path / "busy"):  # a run directory another process holds, before it has written anything
+        assert fit_b(tmp_path / "busy" / "checkpoints") == 2
+        assert f"is in use by process {os.getpid()}" in capsys.readouterr().err
+    assert fit_b(tmp_path / "elsewhere") == 0  # a folder outside every run
+    assert (tmp_path / "elsewhere" / "last.ckpt").is_file()
 
 
 # ---------------------------------------------------------------------------------------------- unwritable runs root
