@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,18 +37,19 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
 
-from ..deq import DEQ, spectral_cap
-from ..losses import sliced_score_matching
-from ..metrics import parameter_count
-from .measure import environment, log
-from .report import Column, Table, fmt_value, table_markdown
-from .study.trust import trust_figures
-from .study.verdict import non_inferiority
-from .units import mean_stderr, recorded
+from ...deq import DEQ
+from ...metrics import parameter_count
+from ..measure import environment, log
+from ..report import Column, Table, table_markdown
+from ..study.trust import trust_figures
+from ..units import recorded
+from .networks import FFN, DEQNet, Task, build, ffn_parameters, largest_slope, matched_width, slope, weight_norms
+from .verdicts import comparisons, judge, outcome, summarise
 
-Tensor = torch.Tensor
+__all__ = ["FFN", "DEQNet", "Task", "build", "comparisons", "ffn_parameters", "judge", "load_protocol", "main",
+           "matched_width", "outcome", "run_unit", "slope", "summarise"]
+
 PROTOCOL = Path("benchmarks/protocol/deq_vs_ffn/v2.json")
 DEFAULT_OUT = "benchmarks/results/deq_vs_ffn"
 TASKS = ("regression", "score")
@@ -60,156 +60,6 @@ def load_protocol(path: Path = PROTOCOL) -> tuple[dict, str]:
     """The protocol and its SHA-256."""
     raw = path.read_bytes()
     return json.loads(raw), hashlib.sha256(raw).hexdigest()
-
-
-def slope(dim: int, protocol: dict) -> float:
-    """``a_d``: the steepness of both tasks along ``x_1`` at dimension ``d``."""
-    c = protocol["construction"]
-    return c["slope_base"] ** (dim / c["slope_dims_per_doubling"])
-
-
-@dataclass(frozen=True)
-class Task:
-    """A steep task in ``dim`` dimensions: exact samples, the metric, the training loss."""
-
-    kind: str  # "regression" or "score"
-    dim: int
-    a: float  # the slope along x_1
-
-    @property
-    def k(self) -> float:
-        """The score task's sigmoid steepness: the exact score's x_1 part has slope ``1 + k^2 / 4 = 1 + a``."""
-        return 2.0 * math.sqrt(self.a)
-
-    @property
-    def out_dim(self) -> int:
-        return 1 if self.kind == "regression" else self.dim
-
-    def sample(self, n: int, gen: torch.Generator) -> Tensor:
-        if self.kind == "regression":
-            return torch.randn(n, self.dim, generator=gen)
-        out, have = [], 0  # N(0, I) proposals accepted with probability sigmoid(k x_1) (rate 1/2)
-        while have < n:
-            x = torch.randn(3 * n, self.dim, generator=gen)
-            keep = torch.rand(3 * n, generator=gen) < torch.sigmoid(self.k * x[:, 0])
-            out.append(x[keep])
-            have += int(keep.sum())
-        return torch.cat(out)[:n]
-
-    def target(self, x: Tensor) -> Tensor:
-        """The regression target ``tanh(a x_1)``, or the exact score ``-x + e_1 k sigmoid(-k x_1)``."""
-        if self.kind == "regression":
-            return torch.tanh(self.a * x[:, :1])
-        s = -x.clone()
-        s[:, 0] += self.k * torch.sigmoid(-self.k * x[:, 0])
-        return s
-
-    def loss(self, net: nn.Module, x: Tensor) -> Tensor:
-        if self.kind == "regression":
-            return (net(x) - self.target(x)).pow(2).mean()
-        return sliced_score_matching(net, x, variance_reduction=True).mean()
-
-    def control(self, x: Tensor) -> float:
-        """The metric of the trivial answer: 0 for the regression, the Gaussian score ``-x`` for the score."""
-        return self.metric(lambda x: torch.zeros(len(x), 1) if self.kind == "regression" else -x, x)
-
-    def metric(self, net: Callable[[Tensor], Tensor], x: Tensor) -> float:
-        """Held-out RMSE (regression) or Fisher divergence ``E ||s - grad log p||^2`` (score)."""
-        with torch.no_grad():
-            err = (net(x) - self.target(x)).pow(2).sum(1).mean()
-        return float(err.sqrt() if self.kind == "regression" else err)
-
-
-def capped(lin: nn.Linear, bound: float) -> nn.Linear:
-    return spectral_cap(lin, bound)
-
-
-class TanhMap(nn.Module):
-    """``f(z, u) = tanh(W z + u)`` with ``||W||_2 <= gamma``: a gamma-contraction in ``z``."""
-
-    def __init__(self, width: int, gamma: float):
-        super().__init__()
-        self.lin = capped(nn.Linear(width, width, bias=False), gamma)
-
-    def forward(self, z: Tensor, u: Tensor) -> Tensor:
-        return torch.tanh(self.lin(z) + u)
-
-
-class DEQNet(nn.Module):
-    """``y = V z* + c``, ``z* = tanh(W z* + U x + b)``; ``||U||, ||V|| <= B``, ``||W|| <= gamma``."""
-
-    def __init__(self, dim: int, out_dim: int, width: int, bound: float, gamma: float, deq: dict):
-        super().__init__()
-        self.inp = capped(nn.Linear(dim, width), bound)
-        self.deq = DEQ(TanhMap(width, gamma), warn_on_nonconvergence=False, **deq)
-        self.out = capped(nn.Linear(width, out_dim), bound)
-        self.lipschitz_cap = bound**2 / (1.0 - gamma)
-
-    def forward(self, x: Tensor) -> Tensor:
-        # One singular value decomposition per weight per forward, not per solver iteration. The cache is filled
-        # here, with autograd on: filled inside the solve's no_grad, the phantom steps would reuse a weight that
-        # carries no gradient and W would never train.
-        with parametrize.cached():
-            _ = self.deq.func.lin.weight
-            return self.out(self.deq(self.inp(x)))
-
-
-class FFN(nn.Module):
-    """``depth`` tanh hidden layers of ``width``; every matrix's spectral norm at most ``B``."""
-
-    def __init__(self, dim: int, out_dim: int, width: int, depth: int, bound: float):
-        super().__init__()
-        layers: list[nn.Module] = []
-        for i in range(depth):
-            layers += [capped(nn.Linear(dim if i == 0 else width, width), bound), nn.Tanh()]
-        self.body = nn.Sequential(*layers, capped(nn.Linear(width, out_dim), bound))
-        self.lipschitz_cap = bound ** (depth + 1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        with parametrize.cached():
-            return self.body(x)
-
-
-def ffn_parameters(dim: int, out_dim: int, width: int, depth: int) -> int:
-    """Parameters of :class:`FFN`."""
-    return dim * width + width + (depth - 1) * (width * width + width) + width * out_dim + out_dim
-
-
-def matched_width(dim: int, out_dim: int, depth: int, target: int) -> int:
-    """The FFN width whose parameter count is closest to ``target``.
-
-    >>> matched_width(2, 1, 2, ffn_parameters(2, 1, 40, 2))
-    40
-    """
-    return min(range(1, 4 * int(math.sqrt(target)) + 8),
-               key=lambda w: abs(ffn_parameters(dim, out_dim, w, depth) - target))
-
-
-def build(network: str, task: Task, protocol: dict) -> nn.Module:
-    """``"deq"`` or ``"ffn<depth>"`` (the latter matched to the DEQ's parameter count)."""
-    budget, width = protocol["budget"], protocol["networks"]["deq_width"]
-    bound, gamma = budget["weight_spectral_bound"], budget["deq_contraction_bound"]
-    deq = DEQNet(task.dim, task.out_dim, width, bound, gamma, protocol["deq"])
-    if network == "deq":
-        return deq
-    depth = int(network[3:])
-    width = matched_width(task.dim, task.out_dim, depth, parameter_count(deq))
-    return FFN(task.dim, task.out_dim, width, depth, bound)
-
-
-def weight_norms(net: nn.Module) -> dict[str, float]:
-    """The largest spectral norm and the largest entry over the (capped) weight matrices."""
-    weights = [m.weight.detach() for m in net.modules() if isinstance(m, nn.Linear)]
-    return {"max_spectral_norm": max(float(torch.linalg.matrix_norm(w, ord=2)) for w in weights),
-            "max_abs_weight": max(float(w.abs().max()) for w in weights)}
-
-
-def largest_slope(net: nn.Module, x: Tensor) -> float:
-    """``max |d y_1 / d x_1|`` over the samples (``y_1``: the output, or the score's x_1 part)."""
-    x = x.detach().requires_grad_(True)
-    with torch.enable_grad():
-        (g,) = torch.autograd.grad(net(x)[:, 0].sum(), x)
-    return float(g[:, 0].abs().max())
 
 
 class _Objective(nn.Module):
@@ -224,7 +74,7 @@ class _Objective(nn.Module):
     def deq_layers(self) -> list[DEQ]:
         return [m for m in self.net.modules() if isinstance(m, DEQ)]
 
-    def loss_terms(self, x: Tensor) -> dict[str, Tensor]:
+    def loss_terms(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"loss": self.task.loss(self.net, x)}
 
 
@@ -321,94 +171,6 @@ def run_all(args: argparse.Namespace, protocol: dict, sha: str) -> list[dict]:
         records.append({"task": unit.task.kind, "dim": unit.task.dim, "a": unit.task.a, "network": unit.network,
                         "seed": unit.seed, **value})
     return records
-
-
-def _mean_cell(values: list[float], spec: str = ".3g") -> str:
-    mean, se = mean_stderr(values)
-    return fmt_value(mean, spec) + (f" ± {fmt_value(se, '.2g')}" if se is not None else "")
-
-
-def summarise(records: list[dict]) -> list[dict]:
-    """One row per (task, d, network): seed means and standard errors of the metric and the diagnostics."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in records:
-        groups.setdefault((r["task"], r["dim"], r["network"]), []).append(r)
-    rows = []
-    for (task, dim, network), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], _depth(kv[0][2]))):
-        trust = [r["trust"] for r in rs if r.get("trust")]
-        rows.append({
-            "task": task, "dim": dim, "a": rs[0]["a"], "network": network, "seeds": len(rs),
-            "log10_metric": [math.log10(r["metric"]) for r in rs],
-            "metric_cell": _mean_cell([r["metric"] for r in rs]),
-            "untrained_cell": _mean_cell([r["metric_untrained"] for r in rs]), "control": rs[0]["metric_control"],
-            "still_falling": sum(r["still_falling"] for r in rs),
-            "slope_cell": _mean_cell([r["largest_slope"] for r in rs]), "lipschitz_cap": rs[0]["lipschitz_cap"],
-            "parameters": rs[0]["parameters"], "spectral": max(r["max_spectral_norm"] for r in rs),
-            "max_abs": max(r["max_abs_weight"] for r in rs),
-            "ms_per_step": mean_stderr([r["ms_per_step"] for r in rs])[0],
-            "solver_iters": mean_stderr([r["solver_iters"] for r in rs])[0] if rs[0]["solver_iters"] else None,
-            "capped_solves": max(r["capped_solves"] for r in rs) if rs[0]["capped_solves"] is not None else None,
-            "contraction": max(t["contraction"] for t in trust) if trust else None,
-            "derivative_error": max(t["derivative_rel_error"] for t in trust) if trust else None,
-            "gradient_error": max(t["gradient_rel_error"] for t in trust) if trust else None,
-        })
-    return rows
-
-
-def _depth(network: str) -> int:
-    return 0 if network == "deq" else int(network[3:])
-
-
-def outcome(deq: list[float], ffn: list[float], margin: float) -> dict | None:
-    """The rule of the protocol on log10 metrics (lower is better): ``d`` = FFN minus DEQ, one-sided 95 % bounds
-    L and U, and the outcome ``deq_better`` / ``ffn_better`` / ``equivalent`` / ``inconclusive``.
-
-    >>> outcome([0.0, 0.01, -0.01], [1.0, 1.01, 0.99], 0.1)["outcome"]
-    'deq_better'
-    >>> outcome([0.0, 0.01, -0.01], [0.0, 0.02, -0.01], 0.1)["outcome"]
-    'equivalent'
-    """
-    test = non_inferiority(deq, ffn, margin, higher_is_better=False)
-    if test is None:
-        return None
-    lower, upper = test.lower, test.upper
-    result = ("deq_better" if lower > margin else "ffn_better" if upper < -margin
-              else "equivalent" if lower > -margin and upper < margin else "inconclusive")
-    return {"d": test.d, "se": test.se, "df": test.df, "lower": lower, "upper": upper, "outcome": result,
-            "seeds": test.n}
-
-
-def comparisons(rows: list[dict], margin: float) -> list[dict]:
-    """The DEQ against every feed-forward network, per (task, d)."""
-    by_key: dict[tuple, dict[str, dict]] = {}
-    for r in rows:
-        by_key.setdefault((r["task"], r["dim"]), {})[r["network"]] = r
-    out = []
-    for (task, dim), nets in sorted(by_key.items()):
-        if "deq" not in nets:
-            continue
-        for network, row in sorted(nets.items(), key=lambda kv: _depth(kv[0])):
-            if network != "deq" and (res := outcome(nets["deq"]["log10_metric"], row["log10_metric"], margin)):
-                out.append({"task": task, "dim": dim, "a": row["a"], "ffn": network, **res})
-    return out
-
-
-def judge(predictions: list[dict], compared: list[dict]) -> list[dict]:
-    """Each prediction against the comparisons it names: borne out, contradicted (an outcome other than the
-    expected one and not inconclusive) or open (some inconclusive or not yet run)."""
-    rows = []
-    for p in predictions:
-        hits = [c for c in compared if p["task"] in ("*", c["task"]) and c["dim"] == p["dim"]
-                and p["ffn"] in ("*", c["ffn"])]
-        negated = p["expected"].startswith("not ")
-        want = p["expected"].removeprefix("not ")
-        ok = [(c["outcome"] != want) if negated else (c["outcome"] == want) for c in hits]
-        verdict = ("not run" if not hits else "borne out" if all(ok)
-                   else "open" if all(o or c["outcome"] == "inconclusive" for o, c in zip(ok, hits, strict=True))
-                   else "contradicted")
-        detail = "; ".join(f"{c['task']} vs {c['ffn']}: {c['outcome']}" for c in hits)
-        rows.append({"id": p["id"], "text": p["text"], "verdict": verdict, "detail": detail})
-    return rows
 
 
 def tables(rows: list[dict], compared: list[dict], judged: list[dict], protocol: dict, off: dict) -> list[Table]:
