@@ -109,3 +109,24 @@ def test_issue_grid_widths_256_to_4096():
         assert_means_agree(samples, kind, ref[kind])
     for kind in ("ift", "phantom"):
         assert -0.7 <= spread_slope(samples, kind) <= -0.3
+
+
+def _jacobian_norm_and_convergence(width: int, sw2: float, seed: int) -> tuple[float, bool]:
+    """``||sqrt(sw2 / N) W diag(phi'(f*))||_2 / sigma_w`` at the (attempted) fixed point, and whether it was met."""
+    torch.manual_seed(seed)
+    net = FiniteDEQ(width, 4, sw2, 0.6 * (1 - sw2), 0.4 * (1 - sw2), warn_on_nonconvergence=False)
+    x = torch.nn.functional.normalize(torch.randn(1, 4, dtype=torch.float64), dim=1)
+    with torch.no_grad():
+        f = net.deq(net.su * x @ net.U.T + net.sb * net.b)
+        W = next(net.deq.func.parameters())
+        J = math.sqrt(sw2 / width) * W * (f[0] > 0).to(W.dtype)[None, :]
+        return float(torch.linalg.matrix_norm(J, ord=2)) / math.sqrt(sw2), bool(net.deq.stats.converged)
+
+
+@pytest.mark.parametrize("sw2", [0.5, 0.95])
+def test_finite_jacobian_norm_and_where_the_finite_solve_fails(sw2):
+    """The figures of docs/method.md section 2.8 (ii): ||J||_2 = (1 + 1/sqrt 2) sigma_w (half the ReLU units active),
+    and the finite DEQ is solved at sigma_w^2 = 0.5 but not at 0.95, a setting whose kernel deq_nngp computes."""
+    runs = [_jacobian_norm_and_convergence(1024, sw2, seed) for seed in range(3)]
+    assert all(norm == pytest.approx(1 + 2**-0.5, rel=0.03) for norm, _ in runs)
+    assert [converged for _, converged in runs] == [sw2 < 0.9] * 3
