@@ -37,9 +37,9 @@ def test_untie_replaces_every_deq_layer_by_a_stack():
 @pytest.fixture(scope="module")
 def depth_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("depth")
-    families = {k: bench_depth.FAMILIES[k] for k in ("nice", "ncsn")}  # one MLP and one conv family, real MNIST
+    families = {k: bench_depth.depth_families()[k] for k in ("nice", "ncsn")}  # one MLP and one conv family, real MNIST
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(bench_depth, "FAMILIES", families)
+        mp.setattr(bench_depth, "depth_families", lambda: families)
         table = bench_depth.depth(QUICK.__class__(**{**QUICK.as_dict(), "out_dir": str(out)}), torch.device("cpu"))
     return out, table, families
 
@@ -73,7 +73,7 @@ def test_effective_depth_is_measured_after_training_and_units_are_read_back(dept
     def measured_again(*args, **kwargs):
         raise AssertionError("a recorded unit was measured again")
 
-    monkeypatch.setattr(bench_depth, "FAMILIES", families)
+    monkeypatch.setattr(bench_depth, "depth_families", lambda: families)
     monkeypatch.setattr(bench_depth, "family_rows", measured_again)
     monkeypatch.setattr(bench_depth, "effective_depth", measured_again)
     again = bench_depth.depth(QUICK.__class__(**{**QUICK.as_dict(), "out_dir": str(out)}), torch.device("cpu"))

@@ -7,41 +7,23 @@ import math
 import pytest
 
 from deqscore.bench import study
-from deqscore.bench.study import FAMILIES, core, protocol
+from deqscore.bench.study import core, families, protocol
 from deqscore.bench.study.report import fmt
+from deqscore.families import declarations
 from deqscore.lightning.callbacks import read_metrics_csv
 
 PROTOCOL = protocol.load()
+FAMILIES = families()
 
 QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
          "--trainer.log_every_n_steps=1", "--trainer.limit_val_batches=2"]
-MNIST_SUBSETS = ["--data.init_args.train_subset=48", "--data.init_args.val_subset=16",
-                 "--data.init_args.test_subset=16", "--data.init_args.eval_batch_size=16"]
-NET = "--model.init_args.net.init_args"
-# family -> (study arguments, arguments of every fit)
-TINY = {
-    "nice": (["--seeds", "0,1", "--set", "exact_sm_images=4"],
-             [f"{NET}.hidden=12", f"{NET}.n_layers=3", f"{NET}.n_couplings=2", "--data.init_args.batch_size=16",
-              *MNIST_SUBSETS]),
-    "dkef": (["--seeds", "0", "--groups", "redwine", "--set", "log_z_samples=2000"],
-             [f"{NET}.n_centres=8", f"{NET}.hidden=6", f"{NET}.deep_layers=4", "--model.init_args.alpha_points=40",
-              "--model.init_args.log_z_samples=2000", "--model.init_args.log_z_chunk=500",
-              "--model.init_args.final_lambda_steps=2", "--model.init_args.exact_sm_batches=1"]),
-    "vae": (["--seeds", "0", "--set", "ais_images=4", "--set", "ais_steps=3",
-             "--set", "ais_chains=2"],
-            [f"{NET}.z_dim=3", f"{NET}.hidden=16", "--model.init_args.val_ais_steps=3",
-             "--data.init_args.batch_size=16", *MNIST_SUBSETS]),
-    "ncsn": (["--seeds", "0", "--set", "samples=4", "--set", "reference=6"],
-             [f"{NET}.ngf=4", "--model.init_args.n_levels=3", "--model.init_args.sampler.init_args.n_steps_each=1",
-              "--data.init_args.batch_size=8", "--data.init_args.num_workers=0", *MNIST_SUBSETS]),
-}
 LOGGED = {"nice": ("log_likelihood", "bits_per_dim", "exact_sm"), "dkef": ("log_likelihood", "log_z_ess", "exact_sm"),
           "vae": ("ais_log_likelihood",), "ncsn": ()}
 
 
 def run_study(tmp_path, name: str, *more: str) -> dict:
     family = FAMILIES[name]
-    options, fit = TINY[name]
+    options, fit = declarations()[name].study.tiny
     return study.main(["--family", name, "--budget", str(2 / family.iterations), "--runs-root",
                        str(tmp_path / "runs"), "--out", str(tmp_path / "out"), *options, *more,
                        "--extra", *QUIET, *fit])
@@ -54,7 +36,7 @@ def test_a_family_study_records_what_its_runs_logged_skips_recorded_units_and_wr
         tmp_path, monkeypatch, name):
     family = FAMILIES[name]
     units = run_study(tmp_path, name)[name]
-    seeds = [int(s) for s in TINY[name][0][1].split(",")]
+    seeds = [int(s) for s in declarations()[name].study.tiny[0][1].split(",")]
     group = next(iter(family.groups)) if name != "dkef" else "redwine"
     variants = [v for v in family.variants if PROTOCOL.seeds(name, v)]  # the protocol's
     assert [(u["group"], u["variant"], u["seed"]) for u in units] == [(group, v, s) for s in seeds for v in variants]
@@ -250,7 +232,7 @@ def test_the_untrained_network_is_a_control_not_an_override(tmp_path):
 @pytest.mark.parametrize("weights, raw", [("trained", True), ("averaged", False)])
 def test_ncsn_samples_from_the_weights_its_evaluation_names(tmp_path, monkeypatch, weights, raw):
     """``weights=trained`` must reach ``sample.py`` as ``--raw-weights``; the protocol scores the EMA average."""
-    from deqscore.bench.study import families
+    from deqscore.bench import ncsn as ncsn_bench
 
     passed = []
 
@@ -260,9 +242,9 @@ def test_ncsn_samples_from_the_weights_its_evaluation_names(tmp_path, monkeypatc
         (out / "fid.json").write_text(json.dumps({"kid": 0.1, "kid_std": 0.01, "kid_subset_size": 4, "fid": 9.0,
                                                   "num_samples": n, "reference": "r"}))
 
-    monkeypatch.setattr(families, "draw_samples", draw)
+    monkeypatch.setattr(ncsn_bench, "draw_samples", draw)
     run = tmp_path / "runs" / "ncsn" / "mnist" / "deq_s0"
     evaluation = PROTOCOL.family("ncsn")["evaluation"] | {"weights": weights}
-    families.evaluate_ncsn(run, run / "last.ckpt", families.NCSN.variants["deq"], 0, evaluation)
+    ncsn_bench.evaluate(run, run / "last.ckpt", FAMILIES["ncsn"].variants["deq"], 0, evaluation)
     assert ("--raw-weights" in passed) == raw
     assert PROTOCOL.family("ncsn")["evaluation"]["weights"] == "averaged"

@@ -1,7 +1,8 @@
 """Section ``depth``: activation memory against depth, per family, DEQ against explicit stacks of its own block.
 
-For each family's DEQ config (``FAMILIES``) the benchmark builds the module as training does and measures one
-training step (the config's loss, forward and backward, :func:`deqscore.bench.measure.loss_step_bytes`) for
+For each family's declared DEQ config (``Declaration.depth``, :mod:`deqscore.families`) the benchmark builds the
+module as training does and measures one training step (the config's loss, forward and backward,
+:func:`deqscore.bench.measure.loss_step_bytes`) for
 
 * **explicit, depth d** (d = 2, 4, 8, 16): every DEQ layer replaced by :class:`UntiedStack`, d untied copies of the
   map the DEQ iterates, applied in turn from ``z = 0`` with the same injection ``u``; the explicit net and the DEQ
@@ -10,7 +11,7 @@ training step (the config's loss, forward and backward, :func:`deqscore.bench.me
   them), the phantom backward of the config otherwise.
 
 The DEQ's *effective depth* is the solver's mean iteration count at the config's tolerance on a batch of real
-data after a short training run of the config (``TRAIN_STEPS``), marked on the plots. One PNG per family
+data after a short training run of the config (the entry's ``train_args``), marked on the plots. One PNG per family
 (memory against depth or iterations, one line per variant) is written beside the report, ``depth_<family>.png``.
 
 Every measured unit (a family's rows, a family's effective depth) is written to ``<out>/depth_units/`` when done and
@@ -26,18 +27,16 @@ from __future__ import annotations
 
 import copy
 import tempfile
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..deq import DEQ
+from ..families import Depth, declarations
 from ..lightning.base import ScoreModule
 from ..metrics import parameter_count
 from .configs import ROOT, Options, build
-from .dkef import data_root
 from .measure import MIB, log, loss_step_bytes
 from .report import Column, Table
 from .settings import FORCED_TOL, Settings
@@ -90,24 +89,6 @@ def untie(module: nn.Module, depth: int) -> nn.Module:
 # ---------------------------------------------------------------- the families
 
 
-@dataclass(frozen=True)
-class DepthFamily:
-    """One family's DEQ config, its sizes per mode, the inputs of one measured step and the training step's loss.
-
-    ``train_args`` are the command-line options of the short training run that measures the effective depth (None:
-    no real data offline, no effective depth).
-    """
-
-    label: str
-    config: str
-    sizes: dict[str, Options]
-    batch: dict[str, int]
-    inputs: Callable[[ScoreModule, int, torch.Generator], torch.Tensor]
-    loss: Callable[[ScoreModule, torch.Tensor], torch.Tensor]
-    train_args: dict[str, list[str]] | None = None
-    deq_options: Options = field(default_factory=dict)
-
-
 def _gaussian(module: ScoreModule, n: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(n, module.net.dim, generator=gen)
 
@@ -115,6 +96,12 @@ def _gaussian(module: ScoreModule, n: int, gen: torch.Generator) -> torch.Tensor
 def _pixels(module: ScoreModule, n: int, gen: torch.Generator) -> torch.Tensor:
     x = torch.rand(n, module.net.dim, generator=gen)
     return x.bernoulli(generator=gen) if getattr(module, "binarize", False) else x
+
+
+def _dkef_inputs(module: ScoreModule, n: int, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn(max(n, module.net.n_centres), module.net.dim, generator=gen)
+    module.net.init_centres(x, gen)
+    return x[:n]
 
 
 def _module_loss(module: ScoreModule, x: torch.Tensor) -> torch.Tensor:
@@ -125,84 +112,35 @@ def _vae_score_loss(module: ScoreModule, x: torch.Tensor) -> torch.Tensor:
     return module.net.score_loss(x).mean()  # the score network's step: where its DEQ is trained
 
 
-def _dkef_inputs(module: ScoreModule, n: int, gen: torch.Generator) -> torch.Tensor:
-    x = torch.randn(max(n, module.net.n_centres), module.net.dim, generator=gen)
-    module.net.init_centres(x, gen)
-    return x[:n]
-
-
-UCI_ROOT = str(data_root())
+#: how a declared depth entry's measured step is fed (``Depth.inputs``) and what it differentiates (``Depth.loss``)
+INPUTS = {"gaussian": _gaussian, "pixels": _pixels, "dkef_centres": _dkef_inputs}
+LOSSES = {"module": _module_loss, "vae_score": _vae_score_loss}
 _STEPS = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
-_MNIST = ["--data.init_args.num_workers", "0"]
-_TINY_MNIST = ["--data.init_args.train_subset", "32", "--data.init_args.val_subset", "16",
-               "--data.init_args.test_subset", "16", "--data.init_args.batch_size", "8",
-               "--data.init_args.eval_batch_size", "8", *_MNIST]
-FAMILIES: dict[str, DepthFamily] = {
-    "nice": DepthFamily(
-        "NICE m-net", "configs/nice/deq.yaml",
-        {"full": {"net.dim": 784}, "quick": {"net.dim": 16, "net.hidden": 16, "net.n_couplings": 2}},
-        {"full": 128, "quick": 8}, _gaussian, _module_loss,
-        {"full": ["--trainer.max_steps", "300", *_MNIST],
-         "quick": ["--trainer.max_steps", "2", "--model.init_args.net.init_args.hidden", "16",
-                   "--model.init_args.exact_sm_samples", "4", *_TINY_MNIST]},
-    ),
-    "dkef": DepthFamily(
-        "DKEF feature net", "configs/dkef/deq.yaml",
-        {"full": {"net.dim": 11}, "quick": {"net.dim": 11, "net.hidden": 8, "net.n_centres": 10}},
-        {"full": 200, "quick": 20}, _dkef_inputs, _module_loss,
-        {"full": ["--trainer.max_steps", "200", "--data.init_args.root", UCI_ROOT,
-                  "--model.init_args.final_lambda_steps", "0"],
-         "quick": ["--trainer.max_steps", "2", "--data.init_args.root", UCI_ROOT,
-                   "--model.init_args.net.init_args.hidden", "8", "--model.init_args.net.init_args.n_centres", "10",
-                   "--model.init_args.alpha_points", "40", "--model.init_args.log_z_samples", "500",
-                   "--model.init_args.final_log_z_samples", "500", "--model.init_args.log_z_chunk", "250",
-                   "--model.init_args.final_lambda_steps", "0", "--model.init_args.exact_sm_batches", "1",
-                   "--trainer.limit_val_batches", "1"]},
-    ),
-    "vae_mlp": DepthFamily(
-        "VAE score net (MNIST MLP)", "configs/vae/deq_mnist.yaml",
-        {"full": {"net.dim": 784}, "quick": {"net.dim": 784, "net.hidden": 16}},
-        {"full": 128, "quick": 8}, _pixels, _vae_score_loss,
-        {"full": ["--trainer.max_steps", "900", *_MNIST],
-         "quick": ["--trainer.max_steps", "3", "--model.init_args.net.init_args.hidden", "16",
-                   "--model.init_args.val_ais_steps", "5", *_TINY_MNIST]},
-    ),
-    "vae_conv": DepthFamily(
-        "VAE score net (conv, 32x32)", "configs/vae/deq_cifar10.yaml",
-        {"full": {"net.dim": 3 * 32 * 32}, "quick": {"net.dim": 3 * 16 * 16, "net.nef": 4}},
-        {"full": 8, "quick": 4}, _pixels, _vae_score_loss,
-    ),
-    "ncsn": DepthFamily(
-        "NCSN body (MNIST)", "configs/ncsn/deq_mnist.yaml",
-        {"full": {"net.dim": 784}, "quick": {"net.dim": 64, "net.ngf": 4, "n_levels": 3}},
-        {"full": 8, "quick": 4}, _pixels, _module_loss,
-        {"full": ["--trainer.max_steps", "150", "--data.init_args.batch_size", "32", *_MNIST],
-         "quick": ["--trainer.max_steps", "2", "--model.init_args.net.init_args.ngf", "4",
-                   "--model.init_args.n_levels", "3", *_TINY_MNIST]},
-        # the config trains DSM with IFT; the curves compare phantom steps, the stacks backpropagate directly
-        {"net.deq.backward": "phantom"},
-    ),
-}
 VAL_ARGS = ["--trainer.limit_val_batches", "2"]
 
 
-def _measure(family: DepthFamily, mode: str, options: Options, depth: int | None) -> dict:
+def depth_families() -> dict[str, Depth]:
+    """Every declared family's depth entries (:mod:`deqscore.families`), by entry name."""
+    return {key: entry for declared in declarations().values() for key, entry in declared.depth.items()}
+
+
+def _measure(family: Depth, mode: str, options: Options, depth: int | None) -> dict:
     """Parameters and activation memory of one training step of ``family`` built with ``options``; ``depth``:
     the DEQ layers untied into explicit stacks of that depth."""
     module = build(family.config, {**family.sizes[mode], **family.deq_options, **options}).train()
     if depth is not None:
         untie(module, depth)
     gen = torch.Generator().manual_seed(0)
-    x = family.inputs(module, family.batch[mode], gen)
+    x = INPUTS[family.inputs](module, family.batch[mode], gen)
 
     def loss() -> torch.Tensor:
         torch.manual_seed(0)  # the same noise, projections and levels for every variant
-        return family.loss(module, x)
+        return LOSSES[family.loss](module, x)
 
     return {"params": parameter_count(module), "act_mib": loss_step_bytes(module, loss) / MIB}
 
 
-def family_rows(family: DepthFamily, mode: str) -> list[dict]:
+def family_rows(family: Depth, mode: str) -> list[dict]:
     rows = []
     for depth in DEPTHS[mode]:
         m = _measure(family, mode, {}, depth)
@@ -218,7 +156,7 @@ def family_rows(family: DepthFamily, mode: str) -> list[dict]:
     return rows
 
 
-def effective_depth(family: DepthFamily, mode: str) -> dict | None:
+def effective_depth(family: Depth, mode: str) -> dict | None:
     """Train the config for the family's short run on real data, then the DEQ solver's mean iterations at the
     config's tolerance (cap :data:`EFFECTIVE_DEPTH_MAX_ITER`) on one validation batch, in eval mode."""
     if family.train_args is None:
@@ -237,7 +175,7 @@ def effective_depth(family: DepthFamily, mode: str) -> dict | None:
         x = module.prepare_batch(batch_inputs(next(iter(dm.val_dataloader()))))
         with torch.enable_grad():
             torch.manual_seed(0)
-            family.loss(module, x)
+            LOSSES[family.loss](module, x)
         steps = [d.stats.nstep for d in deqs]
         converged = [bool(d.stats.converged) for d in deqs]
     return {"mean_iterations": sum(steps) / len(steps), "per_layer": steps, "converged": all(converged),
@@ -248,7 +186,7 @@ def effective_depth(family: DepthFamily, mode: str) -> dict | None:
 # ---------------------------------------------------------------- report
 
 
-def plot(family: DepthFamily, rows: list[dict], effective: dict | None, path: Path) -> None:
+def plot(family: Depth, rows: list[dict], effective: dict | None, path: Path) -> None:
     """Memory against depth (explicit) or solver iterations (DEQ), log-log, the effective depth marked."""
     import matplotlib
 
@@ -283,18 +221,18 @@ def _flatness(rows: list[dict]) -> dict[str, float]:
     return out
 
 
-def depth_table(results: dict[str, dict], mode: str) -> Table:
+def depth_table(results: dict[str, dict], mode: str, families: dict[str, Depth]) -> Table:
     table = Table("depth", "Activation memory against depth: explicit stacks of the DEQ's block vs the DEQ", [
         Column("family", "family"), Column("variant", "variant"), Column("depth", "depth d", "d"),
         Column("phantom_steps", "K", "d"), Column("iterations", "solver iterations", "d"),
         Column("params", "parameters", ","), Column("act_mib", "activation memory (MiB)", ".2f"),
     ])
     for name, res in results.items():
-        table.rows += [{"family": FAMILIES[name].label, **r} for r in res["rows"]]
-    flat = {FAMILIES[n].label: _flatness(r["rows"]) for n, r in results.items()}
-    eff = {FAMILIES[n].label: r["effective_depth"] for n, r in results.items()}
+        table.rows += [{"family": families[name].label, **r} for r in res["rows"]]
+    flat = {families[n].label: _flatness(r["rows"]) for n, r in results.items()}
+    eff = {families[n].label: r["effective_depth"] for n, r in results.items()}
     table.meta.update({"flatness": flat, "effective_depth": eff,
-                       "sizes": {n: {"options": FAMILIES[n].sizes[mode], "batch": FAMILIES[n].batch[mode]}
+                       "sizes": {n: {"options": families[n].sizes[mode], "batch": families[n].batch[mode]}
                                  for n in results}})
     table.notes += [
         "Each family's module is its DEQ config's (`build_module`) at the sizes in `meta.sizes`; 'explicit, "
@@ -319,7 +257,8 @@ def depth(s: Settings, device: torch.device) -> Table:
     del device
     out = Path(s.out_dir)
     results = {}
-    for name, family in FAMILIES.items():
+    families = depth_families()
+    for name, family in families.items():
         settings = {"mode": s.mode, "sizes": family.sizes[s.mode], "batch": family.batch[s.mode],
                     "depths": DEPTHS[s.mode], "phantom_steps": PHANTOM_STEPS[s.mode],
                     "iterations": ITERATIONS[s.mode], "config": (ROOT / family.config).read_text()}
@@ -331,7 +270,7 @@ def depth(s: Settings, device: torch.device) -> Table:
         results[name] = {"rows": rows, "effective_depth": eff}
         out.mkdir(parents=True, exist_ok=True)
         plot(family, rows, eff, out / f"depth_{name}.png")
-    table = depth_table(results, s.mode)
+    table = depth_table(results, s.mode, families)
     table.notes.append(f"Plots: {', '.join(f'depth_{n}.png' for n in results)} beside this file; measured units "
                        "under depth_units/ (an interrupted run continues from them).")
     return table

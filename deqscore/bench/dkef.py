@@ -1,8 +1,8 @@
 """Section ``dkef``: the DKEFs of ``configs/dkef/{explicit_shallow,explicit_deep,deq}.yaml`` on RedWine and on the
 synthetic ``highdim`` Gaussian, each trained for the same short budget as training trains it: a Lightning Trainer
-fits :class:`deqscore.lightning.DKEFModule` (its two-stage step, alpha refreshed after every step, the config's
-optimiser and gradient clipping), then tests it. Per row: parameters, activation memory of one training step
-(forward and backward, :func:`deqscore.metrics.step_activation_bytes`), the median time of the steps after the
+fits :class:`deqscore.lightning.DKEFModule` (its two-stage step, the stored alpha solved afresh at each validation,
+the config's optimiser and gradient clipping), then tests it. Per row: parameters, activation memory of one training
+step (forward and backward, :func:`deqscore.metrics.step_activation_bytes`), the median time of the steps after the
 first, and the module's own test metrics (log-likelihood with its log Z standard error; on highdim the Fisher
 divergence to N(0, I) and the true log-likelihood).
 """
@@ -34,6 +34,8 @@ from .configs import ROOT, Options, Variant, attach_optimizer, build, options_te
 from .measure import MIB, log, loss_step_bytes, sync
 from .report import Column, Table, fmt_value
 from .settings import Settings
+from .study.core import Variant as StudyVariant
+from .study.families import test_metrics
 
 VARIANTS = (
     Variant("explicit shallow", "configs/dkef/explicit_shallow.yaml"),
@@ -127,8 +129,8 @@ def step_memory(module: DKEFModule, x: torch.Tensor) -> int:
 class StepProbe(pl.Callback):
     """The memory of one step before training; per training step its time, loss and DEQ solver iterations.
 
-    Callbacks' batch hooks run before the module's, so a step's time spans ``training_step``, backward, clipping
-    and the optimiser step, not the alpha refresh of ``DKEFModule.on_train_batch_end``.
+    A step's time spans ``training_step`` (whose own alpha is solved from the batch), backward, clipping and the
+    optimiser step; the stored alpha is solved afresh only at validation (``DKEFModule.on_validation_epoch_start``).
     """
 
     def __init__(self, x: torch.Tensor):
@@ -282,7 +284,7 @@ def _default_init_kernel(run: DKEFRun, dm: UCIDataModule) -> float:
         return module.net.kernel(dm.test_data).median().item()
 
 
-def dkef(s: Settings, device: torch.device) -> Table:
+def section(s: Settings, device: torch.device) -> Table:
     table = Table("dkef", "5. DKEF feature networks: explicit shallow, explicit deep, DEQ (two-stage SSM-VR)", [
         Column("data", "data"), Column("dim", "D"), Column("model", "feature net"), Column("params", "parameters", ","),
         Column("act_mib", "activation memory (MiB)", ".2f"), Column("time_ms", "step time (ms)", ".0f"),
@@ -402,8 +404,8 @@ def _notes(run: DKEFRun, rows: list[dict], default_kernel: dict[str, float]) -> 
         + f"), with the options {options_text({**COMMON, **run.options})}{highdim}, and the config's data module "
         f"(batch {run.batch or 'of the config'}). A Lightning Trainer fits it for {steps} with the config's optimiser "
         "and gradient clipping, no validation: the step is `DKEFModule.training_step` (alpha solved on the first "
-        "half of the batch with create_graph=True, the loss on the second half), and alpha is refreshed after every "
-        "step as in training; the same batches, projections and seed for the three nets. The test metrics are the "
+        "half of the batch with create_graph=True, the loss on the second half), as in training; the same "
+        "batches, projections and seed for the three nets. The test metrics are the "
         "module's own (`trainer.test`): log Z by importance sampling with final_log_z_samples draws, test "
         "log-lik. = mean over the test split, on highdim the Fisher divergence to N(0, I) (score through the "
         "unrolled solve) and the true log-lik. of N(0, I) on the same points; IS ESS = effective sample size, "
@@ -421,3 +423,13 @@ def _notes(run: DKEFRun, rows: list[dict], default_kernel: dict[str, float]) -> 
         f"widths (`bandwidth_init: fixed`), shallow net: {init}; a k near 0 means kernels that vanish (no gradient "
         "reaches the features), so that DKEF stays at its base q0: the reason for the median init.",
     ]
+
+
+def evaluate(run_dir: Path, checkpoint: Path, variant: StudyVariant, seed: int, evaluation: dict) -> dict:
+    """The study's evaluation of a trained DKEF run (see :mod:`deqscore.bench.study.families`)."""
+    options = [f"--model.init_args.final_log_z_samples={evaluation['log_z_samples']}",
+               f"--model.init_args.log_z_proposal={evaluation['log_z_proposal']}"]
+    metrics = test_metrics(run_dir, checkpoint, options,
+                           ("log_likelihood", "log_z", "log_z_stderr", "log_z_ess", "exact_sm", "loss"))
+    return metrics | {"log_z_estimator": f"importance sampling, {evaluation['log_z_proposal']} proposal, "
+                                         f"{evaluation['log_z_samples']:,} draws"}

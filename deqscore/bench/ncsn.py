@@ -9,6 +9,8 @@ each body's figures by NCSNv2's.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import cast
 
 import torch
@@ -20,6 +22,8 @@ from .configs import Options, Variant, build, options_text
 from .measure import log, measure_step, timed
 from .report import Column, Table, ratio_cells
 from .settings import Settings
+from .study.core import Variant as StudyVariant
+from .study.families import draw_samples
 
 BODIES = (
     Variant("shallow explicit", "configs/ncsn/shallow_cifar10.yaml"),
@@ -98,7 +102,7 @@ def _langevin_row(s: Settings, body: Variant, device: torch.device) -> dict:
             "evaluations": evals, "solver_iters": deqs[0].stats.nstep if deqs else None}
 
 
-def ncsn(s: Settings, device: torch.device) -> Table:
+def section(s: Settings, device: torch.device) -> Table:
     table = Table("ncsn", "6. NCSN bodies at 32x32: one training step, sampling cost", [
         Column("model", "body"), Column("loss", "loss"), Column("params", "parameters", ","),
         Column("act_mib", "activation memory (MiB)", ".1f"), Column("peak_mib", "CUDA peak (MiB)", ".1f"),
@@ -134,3 +138,15 @@ def ncsn(s: Settings, device: torch.device) -> Table:
         "denoising evaluation.",
     ]
     return table
+
+
+def evaluate(run_dir: Path, checkpoint: Path, variant: StudyVariant, seed: int, evaluation: dict) -> dict:
+    """The study's evaluation of a trained NCSN run (see :mod:`deqscore.bench.study.families`)."""
+    out = run_dir / "samples"
+    weights = ["--raw-weights"] if evaluation["weights"] == "trained" else []
+    draw_samples(checkpoint, out, evaluation["samples"], seed,
+                 ["--batch-size", "250", *weights, "--fid", "--reference-images", str(evaluation["reference"]),
+                  "--stats-root", str(run_dir.parents[2] / "fid_stats")])  # <runs-root>/fid_stats
+    report = json.loads((out / "fid.json").read_text())
+    return {"kid": report["kid"], "kid_std": report["kid_std"], "kid_subset_size": report["kid_subset_size"],
+            "fid": report["fid"], "fid_samples": report["num_samples"], "reference": report["reference"]}

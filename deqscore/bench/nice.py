@@ -5,6 +5,8 @@ DEQ solver iterations per coupling. Ratio rows divide each DEQ row by the explic
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from ..deq import DEQ
@@ -13,6 +15,8 @@ from .configs import Options, Variant, build, options_text
 from .measure import StepResult, log, make_inputs, measure_step
 from .report import Column, Table, ratio_cells
 from .settings import MNIST_DIM, Settings
+from .study.core import Variant as StudyVariant
+from .study.families import GRID, draw_samples, test_metrics
 
 VARIANTS = (
     Variant("explicit, 4 couplings", "configs/nice/explicit.yaml"),
@@ -53,7 +57,7 @@ def _step_columns(device: torch.device) -> list[Column]:
     return cols + [Column("time_ms", "step time (ms)", ".1f"), Column("repeats", "timed steps")]
 
 
-def nice(s: Settings, device: torch.device) -> Table:
+def section(s: Settings, device: torch.device) -> Table:
     table = Table("nice", "4. NICE: explicit vs DEQ m-nets (one SSM training step)", [
         Column("model", "model"), Column("config", "config"), Column("params", "parameters", ","),
         *_step_columns(device), Column("solver_iters", "DEQ solver iterations (per coupling)"),
@@ -77,3 +81,12 @@ def nice(s: Settings, device: torch.device) -> Table:
         "iterations (section 1).",
     ]
     return table
+
+
+def evaluate(run_dir: Path, checkpoint: Path, variant: StudyVariant, seed: int, evaluation: dict) -> dict:
+    """The study's evaluation of a trained NICE run (see :mod:`deqscore.bench.study.families`)."""
+    options = ["--model.init_args.exact_sm_batches=1",
+               f"--model.init_args.exact_sm_samples={evaluation['exact_sm_images']}"]
+    metrics = test_metrics(run_dir, checkpoint, options, ("log_likelihood", "bits_per_dim", "exact_sm", "loss"))
+    draw_samples(checkpoint, run_dir / "samples", GRID, seed)
+    return metrics

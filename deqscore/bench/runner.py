@@ -13,8 +13,8 @@ import torch
 
 from .measure import environment, log
 from .report import Table, write_reports
-from .sections import SECTION_FUNCS
-from .settings import DEFAULT_OUT, SECTIONS, Settings, get_settings
+from .sections import section_funcs
+from .settings import DEFAULT_OUT, Settings, get_settings
 from .targets import targets
 
 
@@ -30,12 +30,13 @@ def resolve_device(device: str | None) -> torch.device:
 
 def check_sections(sections: Sequence[str] | None) -> list[str]:
     """The requested sections in benchmark order; unknown names raise."""
+    known = list(section_funcs())
     if sections is None:
-        return list(SECTIONS)
-    unknown = sorted(set(sections) - set(SECTIONS))
+        return known
+    unknown = sorted(set(sections) - set(known))
     if unknown:
-        raise ValueError(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
-    return [name for name in SECTIONS if name in sections]
+        raise ValueError(f"unknown sections {unknown}; choose from {', '.join(known)}")
+    return [name for name in known if name in sections]
 
 
 def run(
@@ -77,9 +78,10 @@ def _run_sections(settings: Settings, dev: torch.device, out_dir: Path, names: l
     start = time.perf_counter()
     env = environment(dev)  # before the sections: its load average is the one they start under
     tables: dict[str, Table] = {}
+    funcs = section_funcs()
     for name in names:
         log(f"section {name} ({settings.mode})")
-        tables[name] = SECTION_FUNCS[name](settings, dev)
+        tables[name] = funcs[name](settings, dev)
     header = {**extra, **env, "mode": settings.mode, "sections": ", ".join(names)}
     header["runtime"] = f"{time.perf_counter() - start:.0f} s"
     all_tables = [*tables.values(), targets(tables, settings)]
@@ -96,7 +98,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="small sizes (CI/tests, a few seconds)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
-    parser.add_argument("--sections", default=None, help=f"comma-separated subset of: {','.join(SECTIONS)}")
+    parser.add_argument("--sections", default=None, help=f"comma-separated subset of: {','.join(section_funcs())}")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per row (default: 5 full, 2 quick)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--trained-checkpoint", default=None,

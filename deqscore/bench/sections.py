@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib
 from functools import partial
 
 import torch
@@ -11,15 +12,12 @@ from torch import nn
 
 from ..deq import DEQ
 from ..deq.solvers import get_solver, picard
+from ..families import declarations
 from ..models import DEQMNet, explicit_mlp
 from .depth import depth as depth_section
-from .dkef import dkef
 from .measure import CouplingDensity, log, make_inputs, measure_step, ssm_loss, timed
-from .ncsn import ncsn
-from .nice import nice
 from .report import Column, Table
 from .settings import FORCED_TOL, MAIN_SOLVER_BLOCK, RANDOM_INIT_BLOCK, SOLVERS, Settings
-from .vae import vae
 
 
 def _step_columns(device: torch.device) -> list[Column]:
@@ -273,14 +271,15 @@ def solvers(s: Settings, device: torch.device) -> Table:
     return table
 
 
-SECTION_FUNCS = {
+GENERIC_SECTIONS = {
     "memory_vs_iterations": memory_vs_iterations,
     "phantom_fidelity": phantom_fidelity,
     "solvers": solvers,
-    "nice": nice,
-    "dkef": dkef,
-    "ncsn": ncsn,
-    "vae": vae,
-    "depth": depth_section,
 }
 
+
+def section_funcs() -> dict:
+    """Every section by name: the DEQ layer's generic ones, each declared family's (its benchmark file's
+    ``section``), and the depth section over every family."""
+    families = {name: importlib.import_module(d.bench).section for name, d in declarations().items() if d.bench}
+    return {**GENERIC_SECTIONS, **families, "depth": depth_section}

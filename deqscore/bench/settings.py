@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-SECTIONS: tuple[str, ...] = ("memory_vs_iterations", "phantom_fidelity", "solvers", "nice", "dkef", "ncsn", "vae",
-                             "depth")
 SOLVERS: tuple[str, ...] = ("picard", "anderson", "broyden")
 DEFAULT_OUT = "benchmarks/results"
 MNIST_DIM = 784  # data dimension for which real (logit-space MNIST) inputs are used

@@ -10,6 +10,7 @@ the explicit row of the same architecture.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import cast
 
 import torch
@@ -21,6 +22,8 @@ from .configs import Options, Variant, build, options_text
 from .measure import log, measure_step, timed
 from .report import Column, Table, ratio_cells
 from .settings import Settings
+from .study.core import Variant as StudyVariant
+from .study.families import GRID, draw_samples, test_metrics
 
 ARCHS = {  # (explicit, DEQ, ...) score networks of each architecture; ratio rows divide each DEQ by the explicit
     "MNIST MLP": (Variant("explicit", "configs/vae/explicit_mnist.yaml"), Variant("deq", "configs/vae/deq_mnist.yaml")),
@@ -86,7 +89,7 @@ def _ratio(explicit: dict, deq: dict, label: str, arch: str) -> dict:
     return {"model": f"ratio {label} / explicit, {arch}", **ratio_cells(deq, explicit, keys)}
 
 
-def vae(s: Settings, device: torch.device) -> Table:
+def section(s: Settings, device: torch.device) -> Table:
     table = Table("vae", "7. VAE with an implicit encoder: explicit vs DEQ score network (one training step)", [
         Column("model", "data, score network"), Column("score_params", "score-net parameters", ","),
         Column("params", "VAE parameters", ","), Column("act_mib", "score step: activation memory (MiB)", ".2f"),
@@ -111,3 +114,16 @@ def vae(s: Settings, device: torch.device) -> Table:
         "the encoder/decoder surrogate step, forward and backward.",
     ]
     return table
+
+
+def evaluate(run_dir: Path, checkpoint: Path, variant: StudyVariant, seed: int, evaluation: dict) -> dict:
+    """The study's evaluation of a trained VAE run (see :mod:`deqscore.bench.study.families`)."""
+    options = ["--model.init_args.ais_batches=1", f"--data.init_args.eval_batch_size={evaluation['ais_images']}",
+               f"--model.init_args.ais_steps={evaluation['ais_steps']}",
+               f"--model.init_args.ais_chains={evaluation['ais_chains']}"]
+    metrics = test_metrics(run_dir, checkpoint, options, ("ais_log_likelihood", "loss"))
+    loss = metrics.pop("loss")
+    if variant.role == "classical":  # the Gaussian encoder's loss is the negative ELBO; the implicit one has none
+        metrics["elbo"] = -loss
+    draw_samples(checkpoint, run_dir / "samples", GRID, seed)
+    return metrics

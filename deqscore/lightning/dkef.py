@@ -74,7 +74,7 @@ class DKEFModule(ScoreModule):
         self,
         net: DKEF,  # the kernel model, with its feature network and DEQ options
         loss: Literal["exact", "ssm", "ssm_vr", "dsm"] | ScoreLoss = "ssm_vr",  # also fixes the alpha system
-        alpha_points: int = 1000,  # training points alpha is refreshed from after every step
+        alpha_points: int = 1000,  # training points the stored alpha is solved on at each validation
         log_z_samples: int = 250_000,  # importance samples of log Z at each validation
         final_log_z_samples: int = 1_000_000,  # ... at test time
         log_z_chunk: int = 10_000,  # samples per chunk (memory: chunk x centres; mixture: also x training points)

@@ -31,11 +31,11 @@ import torch
 
 from ..measure import environment
 from .core import Family, UnitSettings, run_unit
-from .families import FAMILIES
+from .families import families
 from .protocol import Protocol, ProtocolError, load
 from .report import write_page
 
-__all__ = ["FAMILIES", "main"]
+__all__ = ["families", "main"]
 
 
 def chosen(parser: argparse.ArgumentParser, key: str, text: str, known: dict | list) -> list[str]:
@@ -49,7 +49,7 @@ def chosen(parser: argparse.ArgumentParser, key: str, text: str, known: dict | l
 
 def evaluation_of(parser: argparse.ArgumentParser, protocol: Protocol, family: Family, pairs: list[str]) -> dict:
     """The protocol's evaluation sizes of ``family`` with the ``key=value`` changes of ``--set`` that name one."""
-    known = sorted({k for f in FAMILIES for k in protocol.family(f)["evaluation"]})
+    known = sorted({k for f in families() for k in protocol.family(f)["evaluation"]})
     evaluation = dict(protocol.family(family.name)["evaluation"])
     for pair in pairs:
         key, equals, value = pair.partition("=")
@@ -85,14 +85,15 @@ def seeds_of(parser: argparse.ArgumentParser, text: str) -> list[int] | None:
 
 def plan_of(parser: argparse.ArgumentParser, args: argparse.Namespace, protocol: Protocol) -> Plan:
     """What to run, every option checked before anything runs (an error names the option and the choices)."""
-    names = list(FAMILIES) if args.family == "all" else (
-        chosen(parser, "--family", args.family, FAMILIES) if args.family else [])
+    declared = families()
+    names = list(declared) if args.family == "all" else (
+        chosen(parser, "--family", args.family, declared) if args.family else [])
     if args.budget is not None and not (math.isfinite(args.budget) and args.budget > 0):
         parser.error(f"--budget: a positive fraction of the default, got {args.budget}")
     seeds = seeds_of(parser, args.seeds)
     plan = []
     for name in names:
-        family, entry = FAMILIES[name], protocol.family(name)
+        family, entry = declared[name], protocol.family(name)
         variants = chosen(parser, "--variants", args.variants, family.variants) if args.variants else \
             [v for v in family.variants if protocol.seeds(name, v)]
         groups = chosen(parser, "--groups", args.groups, family.groups) if args.groups else list(family.groups)
@@ -111,7 +112,7 @@ def units_in_order(groups: list[str], seeds: dict[str, list[int]]) -> list[tuple
 
 def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", default="", help=f"comma-separated, from {', '.join(FAMILIES)}, or 'all'")
+    parser.add_argument("--family", default="", help=f"comma-separated, from {', '.join(families())}, or 'all'")
     parser.add_argument("--protocol", default=None, help="protocol file (default: the newest in benchmarks/protocol)")
     parser.add_argument("--seeds", default=None, help="comma-separated seeds of every variant (default: the "
                                                        "protocol's, per variant)")
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
         for family, groups, seeds, settings in plan}
     if args.report:
         try:
-            print(write_page(out, Path(args.page), list(FAMILIES.values()), protocol))
+            print(write_page(out, Path(args.page), list(families().values()), protocol))
         except ProtocolError as err:
             parser.error(str(err))
     return results

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ...families import Metric
 from ...lightning.callbacks import read_metrics_csv
 from ..units import mean_stderr, recorded
 
@@ -38,13 +39,6 @@ class Variant:
     overrides: tuple[str, ...] = ()
     steps_per_iteration: int = 1  # optimiser steps per training iteration (the implicit VAE: 2 score + 1)
     trained: bool = True  # False: the network at initialisation, through the same evaluation
-
-
-@dataclass(frozen=True)
-class Metric:
-    key: str  # in a unit's metrics
-    label: str
-    higher_is_better: bool
 
 
 # (run directory, checkpoint to evaluate, variant, seed, evaluation settings) -> metrics; may leave samples.png

@@ -1,0 +1,57 @@
+"""One declaration per family (deqscore/families/<name>.py), and every place that should come from it does: the
+training registry, the config folders, the benchmark sections, the depth section, the study and the test
+fixtures. A family missing from one of them, or known to one of them without a declaration, fails here."""
+
+import importlib
+
+import pytest
+import yaml
+
+from deqscore.bench.depth import depth_families
+from deqscore.bench.sections import GENERIC_SECTIONS, section_funcs
+from deqscore.bench.study import families as study_families
+from deqscore.families import ROOT, declarations
+from deqscore.lightning import family_registry
+from tests.deq.test_family_phantom import FAMILIES as PHANTOM_FAMILIES
+from tests.lightning.conftest import FAMILY_TINY
+
+DECLARED = declarations()
+
+
+def test_the_training_registry_holds_exactly_the_declared_families():
+    registry = family_registry()
+    assert set(registry) == set(DECLARED)
+    for name, declared in DECLARED.items():
+        module, _, cls = declared.module.rpartition(".")
+        assert getattr(importlib.import_module(module), cls) is registry[name]
+
+
+def test_every_config_belongs_to_exactly_one_declared_family():
+    folders = {p.name for p in (ROOT / "configs").iterdir() if p.is_dir()}
+    assert folders == set(DECLARED)
+    owned = [c for d in DECLARED.values() for c in d.all_configs()]
+    assert sorted(owned) == sorted((ROOT / "configs").rglob("*.yaml")) and len(set(owned)) == len(owned)
+
+
+@pytest.mark.parametrize("name", sorted(DECLARED))
+def test_a_declarations_configs_exist_and_build_its_module(name):
+    declared = DECLARED[name]
+    cls = declared.module.rpartition(".")[2]
+    for path in declared.all_configs():
+        assert yaml.safe_load(path.read_text())["model"]["class_path"].rpartition(".")[2] == cls, path
+    for role in declared.configs:
+        assert (ROOT / declared.config(role)).is_file()
+    for entry in declared.depth.values():
+        assert (ROOT / entry.config).is_file()
+    if declared.study is not None:
+        for variant in declared.study.variants.values():
+            assert (ROOT / declared.variant_config(variant)).is_file()
+
+
+def test_the_benchmark_the_depth_section_the_study_and_the_fixtures_read_the_declarations():
+    sections = section_funcs()
+    assert set(sections) == set(GENERIC_SECTIONS) | {n for n, d in DECLARED.items() if d.bench} | {"depth"}
+    assert set(depth_families()) == {key for d in DECLARED.values() for key in d.depth}
+    assert set(study_families()) == {n for n, d in DECLARED.items() if d.study is not None}
+    assert set(FAMILY_TINY) == set(DECLARED)
+    assert set(PHANTOM_FAMILIES) == set(DECLARED)  # every family's phantom steps are checked by hand
