@@ -122,15 +122,3 @@ def declarations() -> dict[str, Declaration]:
             found[declaration.name] = declaration
     return found
 
-
-def option_pairs(args: list[str] | tuple[str, ...]) -> list[str]:
-    """``["--a", "1", "--b", "x"]`` as ``["--a=1", "--b=x"]`` (options passed on through another command's list).
-
-    >>> option_pairs(["--a", "1", "--b=2"])
-    ['--a=1', '--b=2']
-    """
-    out, items = [], list(args)
-    while items:
-        item = items.pop(0)
-        out.append(item if "=" in item or not items or items[0].startswith("--") else f"{item}={items.pop(0)}")
-    return out
