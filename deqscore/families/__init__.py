@@ -30,6 +30,18 @@ ROLES = ("shallow", "deep", "deq", "reference")
 # (config as loaded from YAML, a folder of fake on-disk images for data sets not stored offline) -> overrides
 Tiny = Callable[[dict, Callable[[], Path]], list[str]]
 
+# option pieces the declarations share
+NET = "--model.init_args.net.init_args"
+MNIST_WORKERS = ["--data.init_args.num_workers", "0"]
+MNIST_SUBSETS = ["--data.init_args.train_subset", "48", "--data.init_args.val_subset", "16",
+                 "--data.init_args.test_subset", "16"]
+TINY_MNIST = ["--data.init_args.train_subset", "32", "--data.init_args.val_subset", "16",
+              "--data.init_args.test_subset", "16", "--data.init_args.batch_size", "8",
+              "--data.init_args.eval_batch_size", "8", *MNIST_WORKERS]
+#: the study test's MNIST subsets, as KEY=VALUE (the study passes them on in one list)
+STUDY_MNIST = ("--data.init_args.train_subset=48", "--data.init_args.val_subset=16",
+               "--data.init_args.test_subset=16", "--data.init_args.eval_batch_size=16")
+
 
 @dataclass(frozen=True)
 class Depth:

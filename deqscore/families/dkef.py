@@ -1,9 +1,8 @@
 """DKEF: deep kernel exponential families on UCI data, with explicit or DEQ feature networks."""
 
 from ..lightning.dkef import LOG_Z_PROPOSALS
-from . import ROOT, Declaration, Depth, Metric, Study, StudyVariant
+from . import NET, ROOT, Declaration, Depth, Metric, Study, StudyVariant
 
-NET = "--model.init_args.net.init_args"
 UCI = str(ROOT / "datasets" / "uci")  # the UCI files shipped with the project
 
 

@@ -1,13 +1,19 @@
 """NCSN: noise-conditional score networks (annealed DSM, annealed Langevin sampling) with explicit or DEQ bodies."""
 
-from . import Declaration, Depth, Metric, Study, StudyVariant
+from . import (
+    MNIST_SUBSETS,
+    MNIST_WORKERS,
+    NET,
+    STUDY_MNIST,
+    TINY_MNIST,
+    Declaration,
+    Depth,
+    Metric,
+    Study,
+    StudyVariant,
+)
 
-NET = "--model.init_args.net.init_args"
 SAMPLER = "--model.init_args.sampler.init_args"
-MNIST_WORKERS = ["--data.init_args.num_workers", "0"]
-TINY_MNIST = ["--data.init_args.train_subset", "32", "--data.init_args.val_subset", "16",
-              "--data.init_args.test_subset", "16", "--data.init_args.batch_size", "8",
-              "--data.init_args.eval_batch_size", "8", *MNIST_WORKERS]
 
 
 def tiny(config: dict, images) -> list[str]:
@@ -19,8 +25,7 @@ def tiny(config: dict, images) -> list[str]:
         args += [f"{NET}.deq.init_args.max_iter", "30", f"{NET}.deq.init_args.tol", "1e-4"]
     if config["data"]["class_path"].rsplit(".", 1)[-1] != "MNISTDataModule":  # a few fake CIFAR-10 / CelebA images
         return [*args, "--data.init_args.data_dir", str(images()), "--data.init_args.use_lmdb", "false"]
-    return [*args, "--data.init_args.train_subset", "48", "--data.init_args.val_subset", "16",
-            "--data.init_args.test_subset", "16"]
+    return [*args, *MNIST_SUBSETS]
 
 
 DECLARATION = Declaration(
@@ -56,8 +61,6 @@ DECLARATION = Declaration(
         choices={"weights": ("trained", "averaged")},
         tiny=(("--seeds", "0", "--set", "samples=4", "--set", "reference=6"),
               (f"{NET}.ngf=4", "--model.init_args.n_levels=3", f"{SAMPLER}.n_steps_each=1",
-               "--data.init_args.batch_size=8", "--data.init_args.num_workers=0",
-               "--data.init_args.train_subset=48", "--data.init_args.val_subset=16",
-               "--data.init_args.test_subset=16", "--data.init_args.eval_batch_size=16")),
+               "--data.init_args.batch_size=8", "--data.init_args.num_workers=0", *STUDY_MNIST)),
     ),
 )

@@ -1,14 +1,17 @@
 """NICE: an energy given by a normalising flow whose coupling networks (m-nets) may be DEQs."""
 
-from . import Declaration, Depth, Metric, Study, StudyVariant
-
-NET = "--model.init_args.net.init_args"
-MNIST_SUBSETS = ["--data.init_args.train_subset", "48", "--data.init_args.val_subset", "16",
-                 "--data.init_args.test_subset", "16"]
-MNIST_WORKERS = ["--data.init_args.num_workers", "0"]
-TINY_MNIST = ["--data.init_args.train_subset", "32", "--data.init_args.val_subset", "16",
-              "--data.init_args.test_subset", "16", "--data.init_args.batch_size", "8",
-              "--data.init_args.eval_batch_size", "8", *MNIST_WORKERS]
+from . import (
+    MNIST_SUBSETS,
+    MNIST_WORKERS,
+    NET,
+    STUDY_MNIST,
+    TINY_MNIST,
+    Declaration,
+    Depth,
+    Metric,
+    Study,
+    StudyVariant,
+)
 
 
 def tiny(config: dict, images) -> list[str]:
@@ -51,7 +54,6 @@ DECLARATION = Declaration(
                  "their bits/dim lie far above it."),
         tiny=(("--seeds", "0,1", "--set", "exact_sm_images=4"),
               (f"{NET}.hidden=12", f"{NET}.n_layers=3", f"{NET}.n_couplings=2", "--data.init_args.batch_size=16",
-               "--data.init_args.train_subset=48", "--data.init_args.val_subset=16",
-               "--data.init_args.test_subset=16", "--data.init_args.eval_batch_size=16")),
+               *STUDY_MNIST)),
     ),
 )

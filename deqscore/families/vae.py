@@ -1,12 +1,17 @@
 """The VAE with an implicit encoder, whose entropy gradient comes from a score network (explicit or DEQ)."""
 
-from . import Declaration, Depth, Metric, Study, StudyVariant
-
-NET = "--model.init_args.net.init_args"
-MNIST_WORKERS = ["--data.init_args.num_workers", "0"]
-TINY_MNIST = ["--data.init_args.train_subset", "32", "--data.init_args.val_subset", "16",
-              "--data.init_args.test_subset", "16", "--data.init_args.batch_size", "8",
-              "--data.init_args.eval_batch_size", "8", *MNIST_WORKERS]
+from . import (
+    MNIST_SUBSETS,
+    MNIST_WORKERS,
+    NET,
+    STUDY_MNIST,
+    TINY_MNIST,
+    Declaration,
+    Depth,
+    Metric,
+    Study,
+    StudyVariant,
+)
 
 
 def tiny(config: dict, images) -> list[str]:
@@ -19,8 +24,7 @@ def tiny(config: dict, images) -> list[str]:
         args += [f"{NET}.nef", "4", "--data.init_args.data_dir", str(images()), *MNIST_WORKERS,
                  "--data.init_args.use_lmdb", "false"]
     else:
-        args += ["--data.init_args.train_subset", "48", "--data.init_args.val_subset", "16",
-                 "--data.init_args.test_subset", "16", "--model.init_args.ais_batches", "1",
+        args += [*MNIST_SUBSETS, "--model.init_args.ais_batches", "1",
                  "--model.init_args.ais_steps", "5", "--model.init_args.ais_chains", "2",
                  "--model.init_args.val_ais_steps", "3"]
     if init.get("deq"):
@@ -65,8 +69,6 @@ DECLARATION = Declaration(
                  Metric("elbo", "test ELBO (nats)", True)),
         tiny=(("--seeds", "0", "--set", "ais_images=4", "--set", "ais_steps=3", "--set", "ais_chains=2"),
               (f"{NET}.z_dim=3", f"{NET}.hidden=16", "--model.init_args.val_ais_steps=3",
-               "--data.init_args.batch_size=16", "--data.init_args.train_subset=48",
-               "--data.init_args.val_subset=16", "--data.init_args.test_subset=16",
-               "--data.init_args.eval_batch_size=16")),
+               "--data.init_args.batch_size=16", *STUDY_MNIST)),
     ),
 )
