@@ -202,9 +202,13 @@ def tables(rows: list[dict], compared: list[dict], judged: list[dict], protocol:
     comp = Table("comparisons", f"DEQ against each feed-forward network (log10 metric, margin {margin:g})", [
         Column("task", "task"), Column("dim", "d"), Column("ffn", "network"), Column("d", "FFN − DEQ", ".3f"),
         Column("se", "s.e.", ".3f"), Column("lower", "L", ".3f"), Column("upper", "U", ".3f"),
-        Column("outcome", "outcome"),
+        Column("outcome", "outcome"), Column("seeds_needed", "seeds per arm for a decision"),
     ], compared, notes=["Positive: the DEQ's error is lower. deq_better: L > margin; ffn_better: U < -margin; "
-                        "equivalent: both bounds within the margin; inconclusive otherwise."])
+                        "equivalent: both bounds within the margin; inconclusive otherwise.",
+                        "Seeds per arm for a decision (inconclusive rows): those at which a DEQ truly equal to the "
+                        "other network would be shown no worse than the margin (one side of the equivalence) with "
+                        "80 % power at the measured spreads (deqscore.bench.study.verdict.seeds_needed); '-' beyond "
+                        "1000."])
     pred = Table("predictions", "Predictions, stated in the protocol before the runs", [
         Column("id", "id"), Column("text", "prediction"), Column("verdict", "verdict"), Column("detail", "outcomes"),
     ], judged)

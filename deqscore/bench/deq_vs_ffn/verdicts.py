@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from ..report import fmt_value
-from ..study.verdict import non_inferiority
+from ..study.verdict import non_inferiority, seeds_needed
 from ..units import mean_stderr
 
 
@@ -61,8 +61,9 @@ def outcome(deq: list[float], ffn: list[float], margin: float) -> dict | None:
     lower, upper = test.lower, test.upper
     result = ("deq_better" if lower > margin else "ffn_better" if upper < -margin
               else "equivalent" if lower > -margin and upper < margin else "inconclusive")
+    needed = seeds_needed(*test.sd, margin) if result == "inconclusive" else None
     return {"d": test.d, "se": test.se, "df": test.df, "lower": lower, "upper": upper, "outcome": result,
-            "seeds": test.n}
+            "seeds": test.n, "seeds_needed": needed}
 
 
 def comparisons(rows: list[dict], margin: float) -> list[dict]:
