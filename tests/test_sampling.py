@@ -312,13 +312,14 @@ def quick_fid(monkeypatch):
     """sample.py --fid with stand-ins for the Inception network and the distance (both tested in tests/metrics):
     these tests are about what fid.json describes."""
     from deqscore.cli import fid_job
+    from deqscore.metrics import quality
 
     class Features(torch.nn.Module):
         def forward(self, images):
             return images.flatten(1).mean(1, keepdim=True).expand(-1, 2048) + torch.arange(2048.0)
 
     monkeypatch.setattr(fid_job, "InceptionFeatures", lambda weights=None: Features())
-    monkeypatch.setattr(fid_job, "sample_quality", lambda stats, reference, seed=0: {
+    monkeypatch.setattr(quality, "sample_quality", lambda stats, reference, seed=0: {
         "fid": float(stats.mu.sum()), "num_samples": stats.count, "label": f"FID@{stats.count}"})
 
 

@@ -13,7 +13,7 @@ import hashlib
 import importlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +23,9 @@ from ..data.errors import CorruptDataError, DataNotFoundError
 from ..errors import ConfigError
 from ..files import staged
 from ..metrics.inception import InceptionFeatures
-from ..metrics.quality import sample_quality
-from ..metrics.reference import dataset_stats, load_stats, stats_file
-from ..metrics.statistics import FeatureStats
+from ..metrics.quality import SampleFeatures
+from ..metrics.reference import dataset_key, dataset_stats, load_stats, stats_file
+from ..metrics.statistics import GaussianStats
 
 
 def _usage(message: str) -> None:
@@ -79,10 +79,10 @@ class FIDJob:
     """The FID of samples against reference statistics; see the module docstring."""
 
     extractor: InceptionFeatures
-    reference: FeatureStats
+    reference: GaussianStats
     reference_label: str
     meta: dict[str, Any]
-    stats: FeatureStats = field(default_factory=lambda: FeatureStats(keep=10_000))  # features kept for KID
+    features: SampleFeatures
 
     @classmethod
     def prepare(cls, args: argparse.Namespace, module: Any, device: torch.device) -> FIDJob:
@@ -100,23 +100,21 @@ class FIDJob:
                 reference = dataset_stats(datamodule, train=True, max_images=args.reference_images,
                                           root=args.stats_root, extractor=extractor)
                 label = f"{datamodule.name} train ({reference.count} images)"
-                shape = tuple(datamodule.image_shape)
-                stats_path = stats_file({"dataset": datamodule.name, "split": "train", "count": reference.count,
-                                         "resolution": f"{shape[1]}x{shape[2]}"}, args.stats_root)
+                stats_path = stats_file(dataset_key(datamodule, True, reference.count), args.stats_root)
         except (DataNotFoundError, CorruptDataError, ConfigError, FileNotFoundError, ValueError) as err:
             _usage(f"--fid: {err}")
         meta = {"checkpoint": str(args.checkpoint), "weights": "raw" if args.raw_weights else "averaged (if any)",
                 "seed": args.seed, "final_denoise": getattr(getattr(module, "sampler", None), "final_denoise", None),
                 "reference_stats": {"file": str(stats_path), "count": int(reference.count),
                                     "moments_sha256": _moments_digest(reference)}}
-        return cls(extractor, reference, label, meta)
+        return cls(extractor, reference, label, meta, SampleFeatures(extractor))
 
     def observing(self, draw: Callable[[int], torch.Tensor]) -> Callable[[int], torch.Tensor]:
-        """``draw`` that also adds the features of what it draws to :attr:`stats`."""
+        """``draw`` that also adds the features of what it draws to :attr:`features`."""
 
         def observed(k: int) -> torch.Tensor:
             images = draw(k)
-            self.stats.update(self.extractor(images))
+            self.features.add(images)
             return images
 
         return observed
@@ -126,10 +124,10 @@ class FIDJob:
         digest of ``samples`` (the file the features were taken from as it was written) to ``path`` (JSON,
         atomically); the report. Refused (``ValueError``) when the features seen are not ``num_samples``, the
         count in ``samples``: the report would describe other samples."""
-        if self.stats.count != num_samples:
-            raise ValueError(f"the FID features of {self.stats.count} samples were taken, but {samples} holds "
+        if self.features.stats.count != num_samples:
+            raise ValueError(f"the FID features of {self.features.stats.count} samples were taken, but {samples} holds "
                              f"{num_samples}; no FID is reported")
-        report = {**sample_quality(self.stats, self.reference, seed=self.meta.get("seed") or 0),
+        report = {**self.features.quality(self.reference, seed=self.meta.get("seed") or 0),
                   "reference": self.reference_label, **self.meta,
                   "samples": Path(samples).name, "samples_sha256": file_sha256(samples)}
         with staged([path]) as (tmp,):

@@ -28,12 +28,9 @@ from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.utilities import rank_zero_info
 
 from ..data.errors import CorruptDataError, DataNotFoundError
-from ..deq import DEQ
 from ..errors import ConfigError
-from ..lightning import family_registry
-from ..lightning.base import CODEC_KEY, FAMILY_KEY, CheckpointFamilyError, NonFiniteLossError, ScoreModule
+from ..lightning.base import NonFiniteLossError, ScoreModule
 from ..lightning.callbacks import ConfiguredOptimizerOptions, Preempted, SaveOnInterrupt
-from ..lightning.checkpoint import read_checkpoint
 from ..lightning.runs import (
     AtomicCheckpointIO,
     RunLock,
@@ -45,6 +42,7 @@ from ..lightning.runs import (
     prepare_fresh_run,
     truncate_log_after,
 )
+from .checkpoints import check_checkpoint, checkpoint_conflicts, place_in_checkpoint_run
 from .errors import UsageError, print_error, usage_error
 from .ranks import LostRankError, is_lost_peer, lost_rank_message
 
@@ -235,13 +233,13 @@ class DeqscoreCLI(LightningCLI):
         cfg = self._subcommand_config()
         if not cfg.get("ckpt_path"):
             return
-        ckpt = _check_checkpoint(cfg.ckpt_path, cfg.model.class_path)
+        ckpt = check_checkpoint(cfg.ckpt_path, cfg.model.class_path)
         self._resume_log_step = checkpoint_log_step(ckpt)  # read once here; a resume truncates its log there
         conflicts = checkpoint_conflicts(ckpt, cfg)
         if conflicts:
             usage_error(f"ckpt_path: {cfg.ckpt_path} holds another model than the config describes (give the "
                         "run's own config.yaml, or change these options back):\n  " + "\n  ".join(conflicts))
-        _place_in_checkpoint_run(cfg, self._argv)
+        place_in_checkpoint_run(cfg, self._argv)
 
     def _run_subcommand(self, subcommand: str) -> None:
         strategy = self.trainer.strategy
@@ -335,41 +333,6 @@ class DeqscoreCLI(LightningCLI):
             usage_error(f"optimizer.init_args.lr must be a positive finite number, got {lr!r}")
 
 
-def _typed(argv: list[str], option: str) -> str | None:
-    """The last value given to ``--option`` on the command line itself (not in a config file), or None."""
-    value = None
-    for i, arg in enumerate(argv):
-        if arg == f"--{option}" and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif isinstance(arg, str) and arg.startswith(f"--{option}="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
-def _place_in_checkpoint_run(cfg: Namespace, argv: list[str]) -> None:
-    """A command given a checkpoint of a run directory (``<run>/checkpoints/*.ckpt``) works in that directory, where
-    it lies now, whatever run name and runs root its ``config.yaml`` records (the run may have been moved or copied
-    since, and another run may live under the recorded name). A ``--run_name`` or ``--runs_root`` typed on the
-    command line that names another directory is refused, naming both: a resume never writes into another run."""
-    run_dir = checkpoint_run_dir(cfg.ckpt_path)
-    if run_dir is None:  # a checkpoint kept outside any run: it starts or continues the configured run
-        return
-    configured = Path(cfg.runs_root) / cfg.run_name
-    name, root = _typed(argv, "run_name"), _typed(argv, "runs_root")
-    if (name is not None and name != run_dir.name) or (
-            root is not None and Path(root).resolve() != run_dir.parent.resolve()):
-        typed = Path(root if root is not None else cfg.runs_root) / (name if name is not None else cfg.run_name)
-        usage_error(f"ckpt_path: {cfg.ckpt_path} belongs to the run in {run_dir}, but --run_name/--runs_root name "
-                    f"the run directory {typed}; a checkpoint of a run resumes only in the directory that holds "
-                    f"it: leave out --run_name and --runs_root, or give --runs_root {run_dir.parent} --run_name "
-                    f"{run_dir.name}")
-    if configured.resolve() == run_dir.resolve():
-        return
-    rank_zero_info(f"working in {run_dir}, the run directory that holds {cfg.ckpt_path} (its config names "
-                   f"{configured})")
-    cfg.runs_root, cfg.run_name = str(run_dir.parent), run_dir.name
-
-
 def _data_dim(datamodule: Any) -> int:
     dim = getattr(datamodule, "dim", None)
     if not isinstance(dim, int):
@@ -385,67 +348,6 @@ def _chain(err: BaseException) -> list[BaseException]:
         seen.append(err)
         err = err.__cause__ or err.__context__
     return seen
-
-
-def _check_checkpoint(path: str, class_path: str) -> dict[str, Any]:
-    """A usage error unless ``path`` is a readable deqscore checkpoint of the configured model's family."""
-    try:
-        ckpt = read_checkpoint(path)
-    except (FileNotFoundError, CheckpointFamilyError) as err:
-        usage_error(f"ckpt_path: {err}")
-    family = next((f for f, cls in family_registry().items()  # by the class's name: packages re-export it
-                   if class_path.rpartition(".")[2] == cls.__qualname__), None)
-    if family and ckpt[FAMILY_KEY] != family:
-        usage_error(f"ckpt_path: {path} holds a {ckpt[FAMILY_KEY]!r} model, but the config describes a {family!r} "
-                    f"model ({class_path}); give a checkpoint of the config's family, or that checkpoint's own "
-                    "config.yaml")
-    return ckpt
-
-
-def _is_deq_config(value: Any) -> bool:
-    """Whether ``value`` configures a DEQ layer: a class_path that resolves to :class:`deqscore.deq.DEQ` or a
-    subclass of it (a user's own layer included), whatever its name."""
-    if not isinstance(value, dict) or not isinstance(value.get("class_path"), str):
-        return False
-    module, _, name = value["class_path"].rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module), name, None) if module else None
-    except ImportError:
-        return False
-    return isinstance(cls, type) and issubclass(cls, DEQ)
-
-
-def _differences(saved: Any, given: Any, key: str) -> list[str]:
-    """``key: checkpoint A, config B`` for every differing leaf; the options of DEQ layers are skipped (they say
-    how the fixed point is solved, not what it is)."""
-    if _is_deq_config(saved) and _is_deq_config(given):
-        return []
-    if given is None:  # not set in the config: filled in by a link (the network's dim) or left to its default
-        return []
-    if isinstance(saved, dict) and isinstance(given, dict):
-        return [d for k in sorted(set(saved) | set(given))
-                for d in _differences(saved.get(k), given.get(k), f"{key}.{k}")]
-    if isinstance(saved, list | tuple) and isinstance(given, list | tuple):  # YAML lists vs Python tuples
-        saved, given = list(saved), list(given)
-    return [] if saved == given else [f"{key}: checkpoint {saved!r}, config {given!r}"]
-
-
-def checkpoint_conflicts(ckpt: dict[str, Any], cfg: Namespace) -> list[str]:
-    """Options of ``cfg`` that would change the model stored in ``ckpt``: the module class, its network (``net``)
-    and the data transform the network was trained on. Evaluation and training options are free to differ."""
-    saved = ckpt.get("hyper_parameters") or {}
-    model = cfg.model.as_dict() if isinstance(cfg.model, Namespace) else dict(cfg.model)
-    conflicts = []
-    if "_class_path" in saved:
-        conflicts += _differences(saved["_class_path"], model.get("class_path"), "model.class_path")
-        conflicts += _differences(saved.get("net"), model.get("init_args", {}).get("net"), "model.init_args.net")
-    codec = ckpt.get(CODEC_KEY)
-    data = cfg.get("data")
-    data_args = (data.get("init_args") or {}) if isinstance(data, Namespace | dict) else {}
-    for option in ("transform", "alpha"):
-        if codec and option in data_args:
-            conflicts += _differences(codec[option], data_args[option], f"data.init_args.{option}")
-    return conflicts
 
 
 def main(args: list[str] | None = None) -> DeqscoreCLI:

@@ -6,8 +6,8 @@ Every ``every_n_epochs`` epochs, at the start of validation (so with the average
 processes (DDP), so the FID is that of all ``num_samples`` images whatever the number of processes. It is logged as
 ``val/fid`` with ``val/fid_samples`` (the N it was computed with: FIDs are comparable only at equal N and
 reference statistics) and the KID of the same features as ``val/kid`` and ``val/kid_std``
-(:func:`deqscore.metrics.sample_quality`, the function ``sample.py --fid`` calls too), a grid of the first samples
-is saved as ``<run>/fid/epoch_<e>.png``, and the checkpoint of the lowest FID so far is kept as
+(:class:`deqscore.metrics.quality.SampleFeatures`, the accumulator ``sample.py --fid`` uses too), a grid of the
+first samples is saved as ``<run>/fid/epoch_<e>.png``, and the checkpoint of the lowest FID so far is kept as
 ``<run>/checkpoints/best-fid.ckpt`` (written after validation, with the trained and averaged weights in their usual
 places).
 
@@ -36,14 +36,13 @@ from pytorch_lightning.callbacks import WeightAveraging
 
 from ..errors import ConfigError, check_count
 from ..metrics.inception import InceptionFeatures
-from ..metrics.quality import sample_quality
+from ..metrics.quality import SampleFeatures
 from ..metrics.reference import dataset_stats
-from ..metrics.statistics import FeatureStats, GaussianStats
+from ..metrics.statistics import GaussianStats
 from ..sampling import save_image_grid
 from .callbacks import run_dir
 
 BEST_FID_FILE = "best-fid.ckpt"
-KID_FEATURES = 10_000  # sample features kept for KID (the moments of all N make FID)
 
 
 def _share(n: int, rank: int, world: int) -> int:
@@ -119,24 +118,24 @@ class FIDCallback(pl.Callback):
             self._features = InceptionFeatures(self.inception_weights)
         return self._features.to(device)
 
-    def sample_stats(self, trainer: pl.Trainer, module: pl.LightningModule) -> tuple[FeatureStats, torch.Tensor]:
-        """Feature statistics of this process's share of the samples (summed over processes) and its first images."""
+    def sample_stats(self, trainer: pl.Trainer, module: pl.LightningModule) -> tuple[SampleFeatures, torch.Tensor]:
+        """The features of this process's share of the samples (their statistics summed over processes) and its
+        first images."""
         left = _share(self.num_samples, trainer.global_rank, trainer.world_size)
-        stats, grid = FeatureStats(keep=KID_FEATURES), []
-        extractor = self.features(module.device)
+        features, grid = SampleFeatures(self.features(module.device)), []
         was_training = module.training
         module.eval()
         with torch.random.fork_rng(devices=[module.device] if module.device.type == "cuda" else []):
             torch.manual_seed(self.seed + 1_000_003 * trainer.current_epoch + 7919 * trainer.global_rank)
             while left > 0:
                 images = module.sample_images(min(self.batch_size, left))
-                stats.update(extractor(images))
+                features.add(images)
                 if sum(len(g) for g in grid) < self.grid_size:
                     grid.append(images[: self.grid_size].cpu())
                 left -= len(images)
         module.train(was_training)
-        stats.all_reduce()
-        return stats, torch.cat(grid)[: self.grid_size] if grid else torch.empty(0)
+        features.stats.all_reduce()
+        return features, torch.cat(grid)[: self.grid_size] if grid else torch.empty(0)
 
     def on_validation_epoch_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if not self._due(trainer):
@@ -146,8 +145,8 @@ class FIDCallback(pl.Callback):
                 trainer.datamodule, train=True, max_images=self.reference_images, root=self.stats_root,
                 extractor=self.features(module.device), barrier=trainer.strategy.barrier,
                 is_writer=trainer.is_global_zero)
-        stats, grid = self.sample_stats(trainer, module)
-        quality = sample_quality(stats, self._reference, seed=self.seed)
+        features, grid = self.sample_stats(trainer, module)
+        quality = features.quality(self._reference, seed=self.seed)
         fid = quality["fid"]
         # the same values on every process
         module.log("val/fid", fid, on_epoch=True, sync_dist=False)

@@ -19,6 +19,7 @@ warning says so; KID is unbiased at any N.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,6 +30,23 @@ from .statistics import FeatureStats, GaussianStats, frechet_distance
 FID_MIN_SAMPLES = 2048  # below the feature dimension the sample covariance is singular and FID strongly biased
 KID_SUBSETS = 100
 KID_SUBSET_SIZE = 1000
+KID_FEATURES = 10_000  # sample features kept for KID (the moments of all N make FID)
+
+
+class SampleFeatures:
+    """The Inception features of samples as they are drawn, for :func:`sample_quality`: the moments of all of them
+    (FID) and the first :data:`KID_FEATURES` (KID). The one accumulator of the training callback and of
+    ``sample.py --fid``."""
+
+    def __init__(self, extractor: Callable[[torch.Tensor], torch.Tensor]):
+        self.extractor = extractor
+        self.stats = FeatureStats(keep=KID_FEATURES)
+
+    def add(self, images: torch.Tensor) -> None:
+        self.stats.update(self.extractor(images))
+
+    def quality(self, reference: GaussianStats, seed: int = 0) -> dict[str, Any]:
+        return sample_quality(self.stats, reference, seed=seed)
 
 
 def kernel_inception_distance(samples: torch.Tensor, reference: torch.Tensor, subsets: int = KID_SUBSETS,

@@ -105,6 +105,13 @@ def image_stats(images: np.ndarray | torch.Tensor, extractor: InceptionFeatures,
     return stats
 
 
+def dataset_key(datamodule: Any, train: bool, count: int) -> dict[str, Any]:
+    """The cache key of the reference statistics of ``count`` images of a data module's train (or test) split."""
+    shape = tuple(datamodule.image_shape)
+    return {"dataset": datamodule.name, "split": "train" if train else "test", "resolution": f"{shape[1]}x{shape[2]}",
+            "count": count}
+
+
 def dataset_stats(
     datamodule: Any,
     train: bool = True,
@@ -119,9 +126,7 @@ def dataset_stats(
     them, the others read the file after the barrier."""
     images = datamodule.raw_images(train)
     images = images[:max_images] if max_images else images
-    shape = tuple(datamodule.image_shape)
-    key = {"dataset": datamodule.name, "split": "train" if train else "test", "resolution": f"{shape[1]}x{shape[2]}",
-           "count": len(images)}
+    key = dataset_key(datamodule, train, len(images))
     extractor = extractor or InceptionFeatures()
 
     def compute() -> FeatureStats:

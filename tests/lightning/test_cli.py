@@ -316,9 +316,9 @@ class RenamedDEQ(DEQ):
 
 
 def test_deq_configs_are_recognised_by_their_class_not_their_name():
-    from deqscore.cli.train import _is_deq_config
+    from deqscore.cli.checkpoints import is_deq_config
 
-    assert _is_deq_config({"class_path": "deqscore.deq.DEQ"})
-    assert _is_deq_config({"class_path": f"{__name__}.RenamedDEQ"})
-    assert not _is_deq_config({"class_path": "torch.nn.Linear"})
-    assert not _is_deq_config({"class_path": "somewhere.else.DEQ"})  # a name alone is not a DEQ layer
+    assert is_deq_config({"class_path": "deqscore.deq.DEQ"})
+    assert is_deq_config({"class_path": f"{__name__}.RenamedDEQ"})
+    assert not is_deq_config({"class_path": "torch.nn.Linear"})
+    assert not is_deq_config({"class_path": "somewhere.else.DEQ"})  # a name alone is not a DEQ layer
