@@ -61,7 +61,7 @@ def alpha_objective(loss: ScoreLoss) -> dict[str, Any]:
     if isinstance(loss, ExactSM):
         return {"objective": "exact"}
     if isinstance(loss, DSM):
-        return {"objective": "dsm", "sigma": loss.sigma}
+        return {"objective": "dsm", "sigma": loss.sigma, "dsm_weighting": loss.weighting}
     raise ConfigError(f"loss: DKEF has a closed-form alpha for {', '.join(DKEF_LOSSES)}, not {loss!r}")
 
 
@@ -86,7 +86,8 @@ class DKEFModule(ScoreModule):
         super().__init__()
         self.net = net
         self.loss = build_loss(loss, ScoreLoss, key="loss")
-        self.alpha_kwargs = alpha_objective(self.loss)
+        # the alpha system of the loss, graph-free systems accumulated over chunks of ALPHA_CHUNK rows
+        self.alpha_kwargs = {**alpha_objective(self.loss), "chunk": ALPHA_CHUNK}
         for key, value in (("alpha_points", alpha_points), ("log_z_samples", log_z_samples),
                            ("final_log_z_samples", final_log_z_samples), ("log_z_chunk", log_z_chunk)):
             check_count(key, value)
@@ -108,27 +109,6 @@ class DKEFModule(ScoreModule):
         if stage == "fit" and datamodule is not None:  # a resumed run then restores its trained centres
             self.net.init_centres(datamodule.train_data, torch.Generator().manual_seed(0))
 
-    def alpha_system(self, x: torch.Tensor, create_graph: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(G, b)`` of the loss on ``x``. The model's DSM system is that of the sigma^4-weighted loss; it is
-        rescaled to the weighting the loss uses, so alpha minimises the very loss that is trained. Without a graph
-        the batch means are accumulated over chunks of :data:`ALPHA_CHUNK` rows (the kernel derivatives of a chunk
-        are ``chunk x D x M``: all rows at once would not fit in memory in high dimension)."""
-        if create_graph or len(x) <= ALPHA_CHUNK:
-            g, b = self.net.alpha_system(x, create_graph=create_graph, **self.alpha_kwargs)
-        else:
-            parts = [(len(part), self.net.alpha_system(part, create_graph=False, **self.alpha_kwargs))
-                     for part in x.split(ALPHA_CHUNK)]
-            g = sum(n * gb[0] for n, gb in parts) / len(x)
-            b = sum(n * gb[1] for n, gb in parts) / len(x)
-        if isinstance(self.loss, DSM):
-            scale = self.loss.sigma ** {"none": -4, "sigma2": -2, "sigma4": 0}[self.loss.weighting]
-            g, b = g * scale, b * scale
-        return g, b
-
-    def solve_alpha(self, x: torch.Tensor, create_graph: bool) -> torch.Tensor:
-        """Alpha minimising the loss on ``x`` plus the ridge ``10^log_lambda |alpha|^2 / 2``."""
-        return self.net.alpha_from_system(*self.alpha_system(x, create_graph), differentiable=create_graph)
-
     def _refresh_alpha(self, seed: int) -> None:
         """Solve alpha on ``alpha_points`` random training points (seeded by the step: exact resume), with the
         derivatives of the converged model (unroll), as every reported metric that uses it."""
@@ -137,7 +117,7 @@ class DKEFModule(ScoreModule):
             return
         points = datamodule.train_subset(self.alpha_points, torch.Generator().manual_seed(seed)).to(self.device)
         with torch.enable_grad(), deq_backward(self.net, "unroll"):
-            alpha = self.solve_alpha(points, create_graph=False)
+            alpha = self.net.solve_alpha(points, create_graph=False, **self.alpha_kwargs)
         self.net.set_alpha(alpha.detach())
 
     # ----- training -------------------------------------------------------------------------------------------
@@ -151,7 +131,7 @@ class DKEFModule(ScoreModule):
         if len(x) < 2:
             raise ConfigError("DKEF training needs batches of at least 2 points (alpha on one half, loss on the other)")
         half = len(x) // 2
-        alpha = self.solve_alpha(x[:half], create_graph=True)
+        alpha = self.net.solve_alpha(x[:half], create_graph=True, **self.alpha_kwargs)
         return self.loss(self.score_with(alpha), x[half:])
 
     # ----- evaluation -----------------------------------------------------------------------------------------
@@ -210,7 +190,7 @@ class DKEFModule(ScoreModule):
     def _closing_stage(self, datamodule: Any) -> None:
         train = datamodule.train_data.to(self.device)
         with torch.enable_grad():
-            g, b = (t.detach() for t in self.alpha_system(train, create_graph=False))
+            g, b = self.net.alpha_system(train, create_graph=False, **self.alpha_kwargs)
         optimizer = torch.optim.Adam([self.net.log_lambda], lr=self.final_lambda_lr)
         val = datamodule.val_data.to(self.device)
         generator = torch.Generator().manual_seed(0)

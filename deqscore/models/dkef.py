@@ -47,6 +47,8 @@ from ..losses.score_matching import PROJECTIONS, random_projections
 
 DKEF_FEATURE_NETS = ("shallow", "deep", "deq")
 ALPHA_OBJECTIVES = ("exact", "sliced", "sliced_vr", "dsm")
+# the DSM system below is that of the sigma^4-weighted loss; the power of sigma that rescales it to each weighting
+DSM_WEIGHTING_POWER = {"none": -4, "sigma2": -2, "sigma4": 0}
 N_KERNELS = 3
 BANDWIDTH_INITS = ("median", "fixed")
 _DRAW_BLOCK = 1024  # proposal rows drawn per generator call: the samples do not depend on the chunk size
@@ -433,6 +435,8 @@ class DKEF(nn.Module):
         *,
         projections: Tensor | None = None,
         noise: Tensor | None = None,
+        dsm_weighting: str = "sigma4",
+        chunk: int | None = None,
     ) -> tuple[Tensor, Tensor]:
         """``(G [M, M], b [M])`` of the loss ``0.5 a^T G a + b^T a + const`` (docs/method.md section 3.7).
 
@@ -441,11 +445,20 @@ class DKEF(nn.Module):
         (``projection`` kind, or ``projections`` [B, D] given). ``sliced_vr`` (SSM-VR loss
         ``0.5 ||s||^2 + v^T grad s v``): exact G, ``b = E[v^T hess k v + grad k grad q0]``. ``dsm`` (sigma^4
         weighting, ``x~ = x + n``, ``n = sigma eps``, ``eps`` drawn or ``noise``): ``G = sigma^4 E[grad k grad k^T]``,
-        ``b = sigma^2 E[grad k (sigma^2 grad q0 + n)]``, all at ``x~``. Expectations are batch means. With
-        ``create_graph`` the results are differentiable in every parameter; otherwise they are detached.
+        ``b = sigma^2 E[grad k (sigma^2 grad q0 + n)]``, all at ``x~``; ``dsm_weighting`` (``none``, ``sigma2``)
+        rescales it to the system of that weighting of the loss, so alpha minimises the very loss that is trained.
+        Expectations are batch means. With ``create_graph`` the results are differentiable in every parameter;
+        otherwise they are detached, and with ``chunk`` the means are accumulated over chunks of that many rows (the
+        kernel derivatives of a chunk are ``chunk x D x M``: all rows at once may not fit in memory).
         """
         if objective not in ALPHA_OBJECTIVES:
             raise choice_error("DKEF alpha objective", objective, ALPHA_OBJECTIVES)
+        if dsm_weighting not in DSM_WEIGHTING_POWER:
+            raise choice_error("DKEF alpha dsm_weighting", dsm_weighting, tuple(DSM_WEIGHTING_POWER))
+        if not create_graph and chunk and len(x) > chunk and projections is None and noise is None:
+            parts = [(len(part), self.alpha_system(part, objective, sigma, projection, False,
+                                                   dsm_weighting=dsm_weighting)) for part in x.split(chunk)]
+            return (sum(n * gb[0] for n, gb in parts) / len(x), sum(n * gb[1] for n, gb in parts) / len(x))
         x = self._check_x(x, finite=True).detach()
         v, eps = self._draws(x, objective, sigma, projection, projections, noise)
         with torch.enable_grad():
@@ -454,6 +467,9 @@ class DKEF(nn.Module):
             x = x.requires_grad_(True)
             kd = self._kernel_derivs(x, cols=objective != "sliced", lap=objective == "exact", v=v)
             gram, b = self._assemble(objective, x, kd, v, sigma, eps)
+        if objective == "dsm" and dsm_weighting != "sigma4":
+            scale = sigma ** DSM_WEIGHTING_POWER[dsm_weighting]
+            gram, b = gram * scale, b * scale
         return (gram, b) if create_graph else (gram.detach(), b.detach())
 
     def _assemble(self, objective: str, x: Tensor, kd: _KernelDerivs, v: Tensor | None, sigma: float | None,
@@ -481,11 +497,13 @@ class DKEF(nn.Module):
         *,
         projections: Tensor | None = None,
         noise: Tensor | None = None,
+        dsm_weighting: str = "sigma4",
+        chunk: int | None = None,
     ) -> Tensor:
         """``alpha`` [M] solving ``(G + 10^log_lambda I) alpha = -b`` (:meth:`alpha_system`), differentiable in
         the parameters (``log_lambda`` included) when ``create_graph``. A singular system raises ValueError."""
         gram, b = self.alpha_system(x, objective, sigma, projection, create_graph, projections=projections,
-                                    noise=noise)
+                                    noise=noise, dsm_weighting=dsm_weighting, chunk=chunk)
         return self.alpha_from_system(gram, b, differentiable=create_graph)
 
     def alpha_from_system(self, gram: Tensor, b: Tensor, differentiable: bool = True) -> Tensor:

@@ -57,7 +57,7 @@ def test_dsm_alpha_minimises_the_loss_it_trains_with_each_weighting(weighting):
     x = torch.randn(40, 3, dtype=torch.float64)
     module.net.init_centres(x)
     torch.manual_seed(1)  # the solve and the loss draw the same noise
-    alpha = module.solve_alpha(x, create_graph=False).detach().requires_grad_(True)
+    alpha = module.net.solve_alpha(x, create_graph=False, **module.alpha_kwargs).detach().requires_grad_(True)
     torch.manual_seed(1)
     ridge = 0.5 * 10 ** module.net.log_lambda.detach() * alpha.pow(2).sum()
     objective = module.loss(module.score_with(alpha), x).mean() + ridge
@@ -81,7 +81,7 @@ def test_final_stage_tunes_log_lambda_and_saves_the_result(tmp_path):
     train = cli.datamodule.train_data
     with torch.random.fork_rng(), torch.enable_grad():
         torch.manual_seed(FINAL_STAGE_SEED)  # the final stage's projections
-        g, b = module.alpha_system(train, create_graph=False)
+        g, b = module.net.alpha_system(train, create_graph=False, **module.alpha_kwargs)
     expected = module.net.alpha_from_system(g.detach(), b.detach(), differentiable=False)
     assert torch.allclose(module.net.alpha, expected, rtol=1e-3, atol=1e-5)  # alpha of the whole training set
     assert torch.isfinite(cli.trainer.callback_metrics["test/log_likelihood"])
@@ -141,21 +141,6 @@ def test_the_stored_alpha_minimises_the_reported_loss_of_a_deq_feature_net():
 
     assert stationarity("unroll") < 1e-8
     assert stationarity("phantom") > 1e-5  # the other derivatives would give another alpha
-
-
-def test_a_graph_free_alpha_system_is_accumulated_over_chunks(monkeypatch):
-    """The exact-SM system has no random draws: chunked (7 rows at a time) and whole it is the same batch mean."""
-    torch.manual_seed(0)
-    module = build_module({"class_path": "deqscore.lightning.DKEFModule", "init_args": {
-        "net": {"class_path": "deqscore.models.DKEF", "init_args": {
-            "dim": 3, "n_centres": 6, "hidden": 5, "feature_net": "shallow"}}, "loss": "exact"}}).double()
-    x = torch.randn(20, 3, dtype=torch.float64)
-    module.net.init_centres(x)
-    whole = module.alpha_system(x, create_graph=False)
-    monkeypatch.setattr(dkef_module, "ALPHA_CHUNK", 7)
-    chunked = module.alpha_system(x, create_graph=False)
-    for a, b in zip(whole, chunked, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 def test_an_unknown_log_z_proposal_is_refused_with_the_choices():

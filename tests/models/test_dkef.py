@@ -527,3 +527,22 @@ def test_effective_sample_size_is_recovered_from_the_reported_standard_error():
         _, stderr = _is_summary(torch.logsumexp(log_w, 0).item(), torch.logsumexp(2 * log_w, 0).item(), 500)
     assert effective_sample_size(stderr, 500) == pytest.approx(direct, rel=1e-9)
     assert direct < 400  # the weights are uneven: the test is not the trivial ESS = n
+
+
+def test_a_chunked_graph_free_system_is_the_whole_batchs():
+    """Chunks of rows accumulate the same batch means (the exact objective has no random draws to differ)."""
+    model, x = _model("deq"), torch.cat([_data(), _data() + 0.5])
+    whole = model.alpha_system(x, "exact", create_graph=False)
+    chunked = model.alpha_system(x, "exact", create_graph=False, chunk=3)
+    assert all(torch.allclose(w, c, rtol=1e-10, atol=1e-12) for w, c in zip(whole, chunked, strict=True))
+
+
+@pytest.mark.parametrize(("weighting", "power"), [("none", -4), ("sigma2", -2), ("sigma4", 0)])
+def test_the_dsm_system_is_that_of_the_losss_weighting(weighting, power):
+    """The system of the sigma^4-weighted DSM loss, rescaled by sigma^(power) for the loss's own weighting (the
+    brute-force rows above check the sigma^4 system itself)."""
+    model, x = _model(), _data()
+    noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=x.dtype)
+    base = model.alpha_system(x, "dsm", sigma=SIGMA, noise=noise)
+    weighted = model.alpha_system(x, "dsm", sigma=SIGMA, noise=noise, dsm_weighting=weighting)
+    assert all(torch.allclose(w, SIGMA**power * b, rtol=1e-12) for w, b in zip(weighted, base, strict=True))
