@@ -365,3 +365,15 @@ def test_nice_rows_are_the_configs_modules(result):
     rows = {r["model"]: r for r in _rows(result[1], "nice")}
     for v in VARIANTS:
         assert rows[v.label]["params"] == parameter_count(build(v.config, options(QUICK, v)))
+
+
+@pytest.mark.parametrize("program", ["study", "deq_vs_ffn", "kernels", "sync"])
+def test_one_benchmark_program_runs_every_other_by_name(program, monkeypatch):
+    """``python -m deqscore.bench <program> ARGS`` hands ARGS to that program's own main."""
+    import importlib
+
+    from deqscore.bench import runner
+
+    module = importlib.import_module(runner.PROGRAMS[program])
+    monkeypatch.setattr(module, "main", lambda argv: ("ran", argv))
+    assert runner.main([program, "--report-only", "x"]) == ("ran", ["--report-only", "x"])

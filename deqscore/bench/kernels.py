@@ -30,6 +30,7 @@ import torch
 from ..kernels import deq_nngp, deq_ntk, finite_depth_kernels
 from .measure import environment, log
 from .report import Column, Table, table_markdown
+from .units import recorded
 
 Tensor = torch.Tensor
 DEFAULT_OUT = "benchmarks/results/kernels"
@@ -98,18 +99,20 @@ def run_unit(family: str, n_train: int, args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def unit_settings(family: str, n_train: int, args: argparse.Namespace) -> dict:
+    """What a unit's result depends on: a unit recorded with other settings is computed again."""
+    return {"family": family, "n_train": n_train, "n_test": args.n_test, "seed": args.seed, "depths": args.depths,
+            "sw2": args.sw2, "su2": args.su2, "sb2": args.sb2, "ridge": args.ridge, "dataset": args.dataset}
+
+
 def run_all(args: argparse.Namespace) -> list[dict]:
-    units = Path(args.out) / "units"
-    units.mkdir(parents=True, exist_ok=True)
+    """Every (kernel family, n_train) unit, each recorded under ``<out>/units`` (:func:`..units.recorded`)."""
     rows = []
     for n_train in args.n_train:
         for family in ("deq", "fc", "inj"):
-            path = units / f"{family}_n{n_train}_t{args.n_test}_s{args.seed}.json"
-            if path.exists():
-                rows += json.loads(path.read_text())
-                continue
-            got = run_unit(family, n_train, args)
-            path.write_text(json.dumps(got, indent=1))
+            path = Path(args.out) / "units" / f"{family}_n{n_train}_t{args.n_test}_s{args.seed}.json"
+            got = recorded(path, unit_settings(family, n_train, args),
+                           lambda f=family, n=n_train: run_unit(f, n, args), device="cpu")
             rows += got
             log(f"{path.stem}: " + ", ".join(f"{r['kernel']}{'' if r['depth'] is None else r['depth']} "
                                             f"{r['accuracy']:.1f}%" for r in got))

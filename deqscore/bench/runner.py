@@ -106,10 +106,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+#: the benchmark's other programs, each run as ``python -m deqscore.bench <name> [its options]``
+PROGRAMS = {
+    "study": "deqscore.bench.study",  # the reproduction study under its protocol
+    "deq_vs_ffn": "deqscore.bench.deq_vs_ffn",  # DEQ against feed-forward networks on steep functions
+    "kernels": "deqscore.bench.kernels",  # kernel regression with the DEQ kernels
+    "sync": "deqscore.bench.sync",  # host syncs and the sync-free step
+}
+
+
+def main(argv: Sequence[str] | None = None) -> object:
+    """``python -m deqscore.bench [--sections ...]`` runs the sections; ``python -m deqscore.bench <program> ...``
+    one of :data:`PROGRAMS` with its own options."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in PROGRAMS:
+        return importlib.import_module(PROGRAMS[argv[0]]).main(argv[1:])
     args = parse_args(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()] if args.sections else None
-    argv = sys.argv[1:] if argv is None else list(argv)
     run(quick=args.quick, device=args.device, out_dir=args.out, sections=sections, repeats=args.repeats,
         threads=args.threads, command=" ".join(["python -m deqscore.bench", *argv]),
         trained_checkpoint=args.trained_checkpoint)
