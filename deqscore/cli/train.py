@@ -32,7 +32,9 @@ from ..errors import ConfigError
 from ..lightning.base import NonFiniteLossError, ScoreModule
 from ..lightning.callbacks import ConfiguredOptimizerOptions, Preempted, SaveOnInterrupt
 from ..lightning.runs import (
+    RUN_ID_KEY,
     AtomicCheckpointIO,
+    RunIdentity,
     RunLock,
     check_checkpoint_dirpath,
     check_writable_run_dir,
@@ -40,6 +42,7 @@ from ..lightning.runs import (
     checkpoint_run_dir,
     holds_a_run,
     prepare_fresh_run,
+    run_id,
     truncate_log_after,
 )
 from .checkpoints import check_checkpoint, checkpoint_conflicts, place_in_checkpoint_run
@@ -235,6 +238,7 @@ class DeqscoreCLI(LightningCLI):
             return
         ckpt = check_checkpoint(cfg.ckpt_path, cfg.model.class_path)
         self._resume_log_step = checkpoint_log_step(ckpt)  # read once here; a resume truncates its log there
+        self._checkpoint_run_id = ckpt.get(RUN_ID_KEY)
         conflicts = checkpoint_conflicts(ckpt, cfg)
         if conflicts:
             usage_error(f"ckpt_path: {cfg.ckpt_path} holds another model than the config describes (give the "
@@ -261,7 +265,7 @@ class DeqscoreCLI(LightningCLI):
         run_dir = Path(cfg.runs_root) / cfg.run_name
         self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         if subcommand == "fit":  # on every rank: the ranks agree at each batch's end whether to stop
-            self.trainer.callbacks.append(SaveOnInterrupt())
+            self.trainer.callbacks += [SaveOnInterrupt(), RunIdentity(run_dir)]
         if launch_rank() != 0:  # DDP workers, on this node or another: global rank zero holds the directory
             return super()._run_subcommand(subcommand)
         check_writable_run_dir(run_dir)  # before anything is written: one message naming the path
@@ -272,27 +276,37 @@ class DeqscoreCLI(LightningCLI):
                 check_checkpoint_dirpath(part.dirpath, run_dir)
         with RunLock(run_dir):
             if subcommand == "fit" and cfg.get("ckpt_path") and checkpoint_run_dir(cfg.ckpt_path) is None:
-                self._start_run_from(run_dir, cfg)
+                self._place_outside_checkpoint(run_dir, cfg)
                 self._continue_run(run_dir, cfg)
             elif subcommand == "fit" and cfg.get("ckpt_path"):
                 self._continue_run(run_dir, cfg)
             elif subcommand == "fit":
                 self.datamodule.prepare_data()  # missing data fails here, before anything on disk is touched
-                moved = prepare_fresh_run(run_dir, cfg.overwrite_run)
-                if moved is not None:
-                    rank_zero_info(f"the previous run in {run_dir} was moved to {moved}")
+                self._start_fresh(run_dir, cfg)
+            if subcommand == "fit":
+                run_id(run_dir, create=True)  # a run older than run identities gets one now
             super()._run_subcommand(subcommand)
 
-    def _start_run_from(self, run_dir: Path, cfg: Namespace) -> None:
-        """A checkpoint kept outside any run directory starts a run of its own in the configured directory: never
-        one that holds another run (unless ``--overwrite_run`` moves that run aside)."""
-        if holds_a_run(run_dir) and not cfg.overwrite_run:
-            usage_error(f"ckpt_path: {cfg.ckpt_path} lies outside any run directory, so it starts a run of its own, "
-                        f"but {run_dir} already holds a run; choose another --run_name, or pass --overwrite_run true "
-                        f"to move that run aside (to resume that run: --ckpt_path {run_dir}/checkpoints/last.ckpt)")
+    @staticmethod
+    def _start_fresh(run_dir: Path, cfg: Namespace) -> None:
         moved = prepare_fresh_run(run_dir, cfg.overwrite_run)
         if moved is not None:
             rank_zero_info(f"the previous run in {run_dir} was moved to {moved}")
+
+    def _place_outside_checkpoint(self, run_dir: Path, cfg: Namespace) -> None:
+        """A checkpoint kept outside any run directory continues the configured run when it is that run's (the
+        identities agree, :class:`~deqscore.lightning.runs.RunIdentity`), and otherwise starts a run of its own
+        there: never in a directory that holds another run, unless ``--overwrite_run`` moves that run aside."""
+        if not holds_a_run(run_dir):
+            return
+        if self._checkpoint_run_id is not None and self._checkpoint_run_id == run_id(run_dir):
+            return  # a checkpoint of this very run, copied elsewhere: the run continues from it
+        if not cfg.overwrite_run:
+            usage_error(f"ckpt_path: {cfg.ckpt_path} lies outside any run directory and is not a checkpoint of the "
+                        f"run in {run_dir}, so it starts a run of its own, but {run_dir} already holds a run; choose "
+                        "another --run_name, or pass --overwrite_run true to move that run aside (to resume that "
+                        f"run: --ckpt_path {run_dir}/checkpoints/last.ckpt)")
+        self._start_fresh(run_dir, cfg)
 
     def _continue_run(self, run_dir: Path, cfg: Namespace) -> None:
         """A resume: drop the log rows written after the checkpoint (they are logged again) and apply the

@@ -16,11 +16,13 @@ from __future__ import annotations
 import csv
 import fcntl
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+from pytorch_lightning import Callback
 
 from ..errors import ConfigError
 from ..files import staged, unwritable
@@ -92,6 +94,38 @@ def check_writable_run_dir(run_dir: Path) -> None:
 def holds_a_run(run_dir: Path) -> list[str]:
     """The run markers present in ``run_dir`` (empty: a fresh directory)."""
     return [m for m in RUN_MARKERS if (Path(run_dir) / m).exists()]
+
+
+RUN_ID_FILE = "run_id"  # in a run directory: the identity its checkpoints carry
+RUN_ID_KEY = "deqscore_run_id"  # in a checkpoint
+
+
+def run_id(run_dir: Path, create: bool = False) -> str | None:
+    """The identity of the run in ``run_dir`` (a random hex string written when the run starts), or None for a
+    directory without one (a fresh one, unless ``create``; or a run older than run identities)."""
+    path = Path(run_dir) / RUN_ID_FILE
+    if path.is_file():
+        return path.read_text().strip() or None
+    if not create:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    identity = uuid.uuid4().hex
+    with staged([path]) as (tmp,):
+        tmp.write_text(identity + "\n")
+    return identity
+
+
+class RunIdentity(Callback):
+    """Writes the run's identity (:func:`run_id`) into every checkpoint, so a checkpoint kept outside its run
+    directory can still be told to belong to it."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+
+    def on_save_checkpoint(self, trainer: Any, module: Any, checkpoint: dict[str, Any]) -> None:
+        identity = run_id(self.run_dir)
+        if identity is not None:
+            checkpoint[RUN_ID_KEY] = identity
 
 
 def lock_holder(run_dir: Path) -> str | None:

@@ -233,21 +233,27 @@ def test_a_copied_run_resumes_in_the_copy_and_leaves_the_original_unchanged(tmp_
     assert "Traceback" not in err and _tree(tmp_path) == before
 
 
-def test_a_checkpoint_kept_outside_any_run_starts_a_run_of_its_own_never_into_another(tmp_path, capsys):
+def test_a_checkpoint_kept_outside_any_run_continues_its_own_run_and_never_another(tmp_path, capsys):
     _fit(tmp_path, "r")
-    kept = tmp_path / "kept.ckpt"  # e.g. a colleague's checkpoint, outside any run directory
-    shutil.copy(tmp_path / "r" / "checkpoints" / "last.ckpt", kept)
+    _fit(tmp_path, "other", extra=["--optimizer.lr", "3e-3"])
+    foreign, own = tmp_path / "foreign.ckpt", tmp_path / "own.ckpt"  # kept outside any run directory
+    shutil.copy(tmp_path / "other" / "checkpoints" / "last.ckpt", foreign)
+    shutil.copy(tmp_path / "r" / "checkpoints" / "last.ckpt", own)
     before = _tree(tmp_path / "r")
-    args = ["fit", *tiny_args(tmp_path, EXPLICIT, "r"), "--trainer.max_epochs", "2", "--ckpt_path", str(kept)]
-    assert run(args) == 2  # the configured run directory holds another run: refused, nothing written
+    args = ["fit", *tiny_args(tmp_path, EXPLICIT, "r"), "--trainer.max_epochs", "2", "--ckpt_path", str(foreign)]
+    assert run(args) == 2  # another run's checkpoint into r: refused, nothing written
     err = capsys.readouterr().err
-    assert "lies outside any run directory" in err and "--overwrite_run true" in err and "Traceback" not in err
+    assert "is not a checkpoint of the run in" in err and "--overwrite_run true" in err and "Traceback" not in err
     assert _tree(tmp_path / "r") == before
+    # r's own checkpoint kept elsewhere continues r (the identity every checkpoint carries)
+    assert run(["fit", *tiny_args(tmp_path, EXPLICIT, "r"), "--trainer.max_epochs", "2", "--ckpt_path", str(own)]) == 0
+    assert torch.load(tmp_path / "r" / "checkpoints" / "last.ckpt", weights_only=False)["epoch"] == 1
     assert run(["fit", *tiny_args(tmp_path, EXPLICIT, "fresh"), "--trainer.max_epochs", "2", "--ckpt_path",
-                str(kept)]) == 0  # a directory of its own: the run continues from the checkpoint's epoch
+                str(foreign)]) == 0  # a directory of its own: a run continuing from the checkpoint's epoch
     assert torch.load(tmp_path / "fresh" / "checkpoints" / "last.ckpt", weights_only=False)["epoch"] == 1
-    assert run([*args, "--overwrite_run", "true"]) == 0  # or the other run moved aside, whole
-    assert _tree(tmp_path / "r.1") == before
+    continued = _tree(tmp_path / "r")
+    assert run([*args, "--overwrite_run", "true"]) == 0  # or r moved aside, whole
+    assert _tree(tmp_path / "r.1") == continued
 
 
 def test_a_checkpoint_dirpath_in_another_run_is_refused(tmp_path, capsys):
