@@ -13,7 +13,7 @@ from .conftest import CONFIGS
 # keys a config may restate at their default: they say what the config is
 NAMING_KEYS = {"loss", "m_net", "score", "arch", "body", "feature_net", "transform", "solver", "hidden", "n_layers",
                "n_couplings", "z_dim", "eps_dim", "nef", "ngf", "channels", "norm_scale", "dataset", "stop_mode",
-               "n_levels", "sigma_max", "alpha_points", "val_fraction", "train_subset", "lr", "decay", "metrics",
+               "alpha_points", "val_fraction", "train_subset", "lr", "decay", "metrics",
                "save_last", "grad_through_norm", "n_centres", "deep_layers", "injection_prestep", "use_lmdb"}
 CLI_DEFAULTS = {"runs_root": "checkpoints"}
 TRAINER_DEFAULTS = {"inference_mode": False}  # the CLI's
@@ -26,13 +26,21 @@ def _defaults(class_path: str) -> dict:
             if p.default is not inspect.Parameter.empty}
 
 
+def _same(value, default) -> bool:
+    """A YAML value equal to a code default of the same kind: a YAML list and a tuple default compare as sequences,
+    ``0.0`` and ``0`` as numbers; ``0`` and ``False`` do not count as the same."""
+    if isinstance(value, list) and isinstance(default, list | tuple):
+        return len(value) == len(default) and all(_same(v, d) for v, d in zip(value, default, strict=True))
+    numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in (value, default))
+    return not isinstance(value, dict | list) and (numbers or type(value) is type(default)) and value == default
+
+
 def _restated(node, where: str) -> list[str]:
     found = []
     if isinstance(node, dict) and "class_path" in node and isinstance(node.get("init_args"), dict):
         defaults = _defaults(node["class_path"])
         for key, value in node["init_args"].items():
-            if (key in defaults and key not in NAMING_KEYS and not isinstance(value, dict | list)
-                    and type(value) is type(defaults[key]) and value == defaults[key]):
+            if key in defaults and key not in NAMING_KEYS and _same(value, defaults[key]):
                 found.append(f"{where}.{key}: {value!r}")
             found += _restated(value, f"{where}.{key}")
     elif isinstance(node, dict):
