@@ -13,7 +13,8 @@ from deqscore.data.cifar import CIFAR10DataModule
 from deqscore.data.datasets import ArrayImageDataset, EpochShuffleSampler, PreprocessedImageDataset, split_indices
 from deqscore.data.errors import CorruptDataError, DataNotFoundError
 from deqscore.data.folder import ImageFolderDataModule
-from deqscore.data.lmdb_cache import LMDBImageDataset, build_lmdb_cache, lmdb_cache_info
+from deqscore.data.lmdb_build import build_lmdb_cache
+from deqscore.data.lmdb_cache import LMDBImageDataset, lmdb_cache_info
 from deqscore.data.mnist import MNISTDataModule, clear_mnist_cache, find_pureml_mnist, load_mnist
 from deqscore.data.protocol import DensityData, EpochData, ImageData, PointData, ScoreData
 from deqscore.data.transforms import (

@@ -38,7 +38,8 @@ from deqscore.data.datasets import (
     epoch_loader,
     split_indices,
 )
-from deqscore.data.lmdb_cache import LMDBImageDataset, build_lmdb_cache, lmdb_cache_info
+from deqscore.data.lmdb_build import build_lmdb_cache
+from deqscore.data.lmdb_cache import LMDBImageDataset, lmdb_cache_info
 from deqscore.data.transforms import DEFAULT_ALPHA, ImageCodec
 from deqscore.errors import ConfigError
 
