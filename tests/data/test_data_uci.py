@@ -1,6 +1,6 @@
 """UCIDataModule: reading and checking the UCI files, the DKEF pre-processing, the synthetic Gaussian and the
 loaders. The real files are the ones shipped in ``datasets/uci`` (checked against their SHA-256); the network is
-never touched (``uci._open_url`` is replaced in every test)."""
+never touched (``uci_files._open_url`` is replaced in every test)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from deqscore.data import UCIDataModule
+from deqscore.data import UCIDataModule, uci_files
 from deqscore.data import uci as uci_module
 from deqscore.data.datasets import EpochShuffleSampler
 from deqscore.data.errors import CorruptDataError, DataNotFoundError
@@ -45,7 +45,7 @@ def no_uci_network(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         calls.append(url)
         raise urllib.error.URLError("network disabled in tests")
 
-    monkeypatch.setattr(uci_module, "_open_url", offline)
+    monkeypatch.setattr(uci_files, "_open_url", offline)
     return calls
 
 
@@ -135,7 +135,7 @@ def test_parkinsons_file_with_another_dim_than_stated_fails_setup(uci_root, tmp_
     def serve(url, timeout):
         return io.BytesIO(f"{header}\n{body}\n".encode())
 
-    monkeypatch.setattr(uci_module, "_open_url", serve)
+    monkeypatch.setattr(uci_files, "_open_url", serve)
     dm = UCIDataModule("parkinsons", root=str(tmp_path))
     assert dm.dim == 15  # stated before the file is there
     dm.prepare_data()
@@ -341,7 +341,7 @@ def test_prepare_data_downloads_into_root(uci_root, tmp_path, monkeypatch):
         urls.append(url)
         return io.BytesIO((uci_root / RED).read_bytes())
 
-    monkeypatch.setattr(uci_module, "_open_url", serve)
+    monkeypatch.setattr(uci_files, "_open_url", serve)
     root = tmp_path / "nested" / "uci"
     dm = UCIDataModule("redwine", root=str(root))
     dm.prepare_data()
@@ -361,7 +361,7 @@ def test_interrupted_download_leaves_nothing(uci_root, tmp_path, monkeypatch):
                 raise ConnectionResetError("connection reset mid-file")
             return super().read(1000)
 
-    monkeypatch.setattr(uci_module, "_open_url", lambda url, timeout: Broken((uci_root / RED).read_bytes()))
+    monkeypatch.setattr(uci_files, "_open_url", lambda url, timeout: Broken((uci_root / RED).read_bytes()))
     with pytest.raises(DataNotFoundError, match="ConnectionResetError"):
         UCIDataModule("redwine", root=str(tmp_path)).prepare_data()
     assert list(tmp_path.iterdir()) == []
