@@ -4,7 +4,8 @@ exponential family with its closed-form coefficient solve; NCSN, noise-condition
 shallow explicit baseline, a DEQ body); VAEs with an implicit encoder and a score network for its entropy
 gradient, and the Gaussian-encoder baseline."""
 
-from .dkef import ALPHA_OBJECTIVES, DKEF, DKEF_FEATURE_NETS, DEQFeatureBody, DKEFDEQMap, DKEFFeatureNet
+from .dkef import ALPHA_OBJECTIVES, DKEF, DKEF_FEATURE_NETS
+from .dkef_features import DEQFeatureBody, DKEFDEQMap, DKEFFeatureNet
 from .ncsn import NCSN, NCSN_BODIES, NCSNDEQMap
 from .nice import M_NETS, NICE, DEQMNet, NICEDEQMap, explicit_mlp
 from .nice_losses import CurvaturePropagationSM, KingmaSM, MaximumLikelihood, NICEObjective
