@@ -36,6 +36,7 @@ from ..deq import DEQ
 from ..families import Depth, declarations
 from ..lightning.base import ScoreModule
 from ..metrics import parameter_count
+from ..sampling import pyplot
 from .configs import ROOT, Options, build
 from .measure import MIB, log, loss_step_bytes
 from .report import Column, Table
@@ -188,11 +189,7 @@ def effective_depth(family: Depth, mode: str) -> dict | None:
 
 def plot(family: Depth, rows: list[dict], effective: dict | None, path: Path) -> None:
     """Memory against depth (explicit) or solver iterations (DEQ), log-log, the effective depth marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 4))
     explicit = [r for r in rows if r["variant"] == "explicit"]
     ax.plot([r["depth"] for r in explicit], [r["act_mib"] for r in explicit], "o-", color="black",

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..kernels import deq_nngp, deq_ntk, finite_depth_kernels
+from ..sampling import pyplot
 from .measure import environment, log
 from .report import Column, Table, table_markdown
 from .units import recorded
@@ -120,14 +121,7 @@ def run_all(args: argparse.Namespace) -> list[dict]:
 
 
 def plot(rows: list[dict], out: Path) -> list[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib is not installed: no plots")
-        return []
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for n in sorted({r["n_train"] for r in rows}):
         for kind, style in (("fc_ntk", "-o"), ("fc_nngp", ":s"), ("inj_ntk", "--^")):

@@ -14,7 +14,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.callbacks import WeightAveraging
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
 
-from ..sampling import save_image_grid
+from ..sampling import pyplot, save_image_grid
 
 
 def run_dir(trainer: pl.Trainer) -> Path:
@@ -104,11 +104,7 @@ class LearningCurves(pl.Callback):
 
 def plot_learning_curves(csv_path: str | Path, out: str | Path, metrics: tuple[str, ...]) -> Path:
     """Plot ``train/<m>`` (per step) and ``val/<m>`` (per validation) for each metric found in the CSV."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     series = read_metrics_csv(csv_path)
     names = [m for m in metrics if f"train/{m}" in series or f"val/{m}" in series]
     fig, axes = plt.subplots(1, max(len(names), 1), figsize=(4.5 * max(len(names), 1), 3.5), squeeze=False)

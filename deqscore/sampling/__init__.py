@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from tqdm.auto import tqdm
 
-from .grid import save_image_grid
+from .grid import pyplot, save_image_grid
 from .langevin import LANGEVIN_INITS, LANGEVIN_VARIANTS, AnnealedLangevin
 from .stream import (
     GRID_SIZE,
@@ -40,6 +40,7 @@ __all__ = [
     "check_output_dir",
     "draw_samples",
     "output_paths",
+    "pyplot",
     "save_image_grid",
     "staged",
     "stream_samples",

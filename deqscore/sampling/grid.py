@@ -22,3 +22,13 @@ def save_image_grid(images: torch.Tensor, path: str | Path, nrow: int | None = N
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     nrow = nrow or max(1, int(len(images) ** 0.5))
     save_image(images.float().clamp(0, 1).cpu(), str(path), nrow=nrow, padding=2, format="PNG")
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only backend (no display needed): every figure deqscore writes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

@@ -14,6 +14,7 @@ import os
 from collections import Counter
 from pathlib import Path
 
+from ...sampling import pyplot
 from ..units import mean_stderr
 from .core import ROOT, Family, summarise, value_of
 from .protocol import Protocol, check_units
@@ -160,16 +161,6 @@ def control_sentence(family: Family, protocol: Protocol, summaries: dict[str, di
     criterion = protocol.family(family.name).get("control", "")
     return [f"Control: each trained variant's {metric.label} as a fraction of the untrained network's "
             f"({fmt(base)}): {', '.join(ratios) or 'no trained run yet'}. {criterion}"]
-
-
-def pyplot():
-    """matplotlib's pyplot on the file-only backend (no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def plot_curves(family: Family, units: list[dict], group: str, path: Path) -> None:
