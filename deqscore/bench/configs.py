@@ -20,9 +20,9 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
-import yaml
 from pytorch_lightning.cli import instantiate_class
 
+from ..configfiles import load_config
 from ..lightning import build_module
 from ..lightning.base import ScoreModule
 
@@ -42,7 +42,7 @@ class Variant:
 
 def read_config(config: str | Path) -> dict[str, Any]:
     """The whole run config in ``config`` (relative to the repository root unless absolute)."""
-    return yaml.safe_load((ROOT / config).read_text())
+    return load_config(ROOT / config)
 
 
 def set_option(tree: dict[str, Any], key: str, value: object) -> None:

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..configfiles import composed_text
 from ..deq import DEQ
 from ..families import Depth, declarations
 from ..lightning.base import ScoreModule
@@ -258,7 +259,7 @@ def depth(s: Settings, device: torch.device) -> Table:
     for name, family in families.items():
         settings = {"mode": s.mode, "sizes": family.sizes[s.mode], "batch": family.batch[s.mode],
                     "depths": DEPTHS[s.mode], "phantom_steps": PHANTOM_STEPS[s.mode],
-                    "iterations": ITERATIONS[s.mode], "config": (ROOT / family.config).read_text()}
+                    "iterations": ITERATIONS[s.mode], "config": composed_text(ROOT / family.config)}
         rows = recorded(out / "depth_units" / f"{name}__rows.json", settings, lambda f=family: family_rows(f, s.mode))
         train = {"mode": s.mode, "args": family.train_args and family.train_args[s.mode],
                  "config": settings["config"]}

@@ -27,6 +27,7 @@ from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.utilities import rank_zero_info
 
+from ..configfiles import ConfigFileError, composed_text, composes
 from ..data.errors import CorruptDataError, DataNotFoundError
 from ..errors import ConfigError
 from ..lightning.base import NonFiniteLossError, ScoreModule
@@ -148,40 +149,45 @@ def launch_rank() -> int:
     return 0 if node == local == 0 else 1 + node * 1000 + local
 
 
-def check_config_files(argv: list[str]) -> None:
-    """A usage error naming the file for a ``--config`` file that is empty or not a mapping of options (the parser's
-    own message, "Unexpected config", names neither)."""
-    import yaml
-
-    paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
-    paths += [a.split("=", 1)[1] for a in argv if isinstance(a, str) and a.startswith("--config=")]
-    for path in paths:
-        if not Path(path).is_file():
+def compose_config_files(argv: list[str]) -> list[str]:
+    """``argv`` with every ``--config`` file that names a base replaced by its composed options
+    (:mod:`deqscore.configfiles`); a file that is empty, not a mapping of options or names a missing base is a
+    usage error naming the file (the parser's own message, "Unexpected config", names none)."""
+    out = list(argv)
+    for i, arg in enumerate(argv):
+        path = argv[i + 1] if arg == "--config" and i + 1 < len(argv) else (
+            arg.split("=", 1)[1] if isinstance(arg, str) and arg.startswith("--config=") else None)
+        if path is None or not Path(path).is_file():
             continue  # the parser names a missing file itself
         try:
-            content = yaml.safe_load(Path(path).read_text())
-        except (OSError, yaml.YAMLError) as err:
-            usage_error(f"--config {path}: not a readable YAML file ({type(err).__name__}: {err})")
-        if not isinstance(content, dict):
-            what = "empty" if content is None else f"a YAML {type(content).__name__}"
-            usage_error(f"--config {path}: the file is {what}; a config is a mapping of options "
-                        "(seed_everything:, trainer:, model:, data:, ...), see configs/")
+            if not composes(path):
+                continue
+            if arg == "--config":
+                out[i + 1] = composed_text(path)
+            else:
+                out[i] = f"--config={composed_text(path)}"
+        except ConfigFileError as err:
+            usage_error(f"--config {err}")
+    return out
 
 
 class DeqscoreCLI(LightningCLI):
     """LightningCLI with a run name/directory and gradients enabled in evaluation."""
 
     def __init__(self, *args, **kwargs):
-        self._argv = list(kwargs.get("args") if kwargs.get("args") is not None else sys.argv[1:])
-        check_config_files(self._argv)
+        given = kwargs.get("args")
+        self._argv = compose_config_files(list(given if given is not None else sys.argv[1:]))
+        kwargs["args"] = self._argv  # the command line with composed configs in place of their files
         self._launcher_pid = os.getppid()  # a DDP worker whose launcher (rank 0) dies gets another parent
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})  # re-running in a run dir must not abort
         trainer_defaults = {"inference_mode": False}  # score matching takes input gradients in val/test
         trainer_defaults.update(kwargs.pop("trainer_defaults", {}) or {})
-        super().__init__(
-            ScoreModule, *args, subclass_mode_model=True, subclass_mode_data=True,
-            trainer_defaults=trainer_defaults, parser_class=DeqscoreArgumentParser, **kwargs,
-        )
+        with warnings.catch_warnings():  # args is the command line itself here, not a second one
+            warnings.filterwarnings("ignore", "LightningCLI's args parameter is intended")
+            super().__init__(
+                ScoreModule, *args, subclass_mode_model=True, subclass_mode_data=True,
+                trainer_defaults=trainer_defaults, parser_class=DeqscoreArgumentParser, **kwargs,
+            )
 
     def instantiate_classes(self) -> None:
         try:

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..configfiles import is_base
+
 ROOT = Path(__file__).resolve().parents[2]  # the repository (configs/ lives here)
 
 #: what a config does in a comparison: the explicit network of the DEQ's size, a deeper explicit one, the DEQ, and
@@ -41,6 +43,11 @@ TINY_MNIST = ["--data.init_args.train_subset", "32", "--data.init_args.val_subse
 #: the study test's MNIST subsets, as KEY=VALUE (the study passes them on in one list)
 STUDY_MNIST = ("--data.init_args.train_subset=48", "--data.init_args.val_subset=16",
                "--data.init_args.test_subset=16", "--data.init_args.eval_batch_size=16")
+
+
+def net_options(config: dict) -> dict:
+    """The network's options in a composed config (``model.init_args.net.init_args``; empty where all are defaults)."""
+    return ((config["model"].get("init_args") or {}).get("net") or {}).get("init_args") or {}
 
 
 @dataclass(frozen=True)
@@ -118,7 +125,8 @@ class Declaration:
 
     def all_configs(self) -> list[Path]:
         """Every config of the family: its folder's and its extra ones."""
-        return [*sorted(self.config_dir.glob("*.yaml")), *(ROOT / c for c in self.extra_configs)]
+        return [*sorted(p for p in self.config_dir.glob("*.yaml") if not is_base(p)),
+                *(ROOT / c for c in self.extra_configs)]
 
     def variant_config(self, variant: StudyVariant) -> str:
         return f"configs/{self.name}/{variant.config}" if variant.config else self.config(variant.role)

@@ -1,7 +1,7 @@
 """DKEF: deep kernel exponential families on UCI data, with explicit or DEQ feature networks."""
 
 from ..lightning.dkef import LOG_Z_PROPOSALS
-from . import NET, ROOT, Declaration, Depth, Metric, Study, StudyVariant
+from . import NET, ROOT, Declaration, Depth, Metric, Study, StudyVariant, net_options
 
 UCI = str(ROOT / "datasets" / "uci")  # the UCI files shipped with the project
 
@@ -12,7 +12,7 @@ def tiny(config: dict, images) -> list[str]:
             "--model.init_args.log_z_chunk", "500", "--model.init_args.final_lambda_steps", "2",
             "--model.init_args.exact_sm_batches", "1", "--data.init_args.root", UCI,
             "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2"]
-    if config["model"]["init_args"]["net"]["init_args"].get("deep_layers"):
+    if net_options(config).get("deep_layers"):
         args += [f"{NET}.deep_layers", "4"]
     return args
 

@@ -11,6 +11,7 @@ from . import (
     Metric,
     Study,
     StudyVariant,
+    net_options,
 )
 
 SAMPLER = "--model.init_args.sampler.init_args"
@@ -21,7 +22,7 @@ def tiny(config: dict, images) -> list[str]:
             *MNIST_WORKERS, "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2",
             "--trainer.val_check_interval", "null", "--trainer.check_val_every_n_epoch", "1",
             "--trainer.max_steps", "-1"]
-    if config["model"]["init_args"]["net"]["init_args"].get("deq"):
+    if net_options(config).get("deq"):
         args += [f"{NET}.deq.init_args.max_iter", "30", f"{NET}.deq.init_args.tol", "1e-4"]
     if config["data"]["class_path"].rsplit(".", 1)[-1] != "MNISTDataModule":  # a few fake CIFAR-10 / CelebA images
         return [*args, "--data.init_args.data_dir", str(images()), "--data.init_args.use_lmdb", "false"]

@@ -11,13 +11,14 @@ from . import (
     Metric,
     Study,
     StudyVariant,
+    net_options,
 )
 
 
 def tiny(config: dict, images) -> list[str]:
     args = [f"{NET}.hidden", "12", f"{NET}.n_layers", "3", f"{NET}.n_couplings", "2",
             "--model.init_args.exact_sm_samples", "4", *MNIST_SUBSETS]
-    if config["model"]["init_args"]["net"]["init_args"].get("deq"):
+    if net_options(config).get("deq"):
         args += [f"{NET}.deq.init_args.max_iter", "40", f"{NET}.deq.init_args.tol", "1e-5"]
     return args
 

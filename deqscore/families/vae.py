@@ -11,11 +11,12 @@ from . import (
     Metric,
     Study,
     StudyVariant,
+    net_options,
 )
 
 
 def tiny(config: dict, images) -> list[str]:
-    init = config["model"]["init_args"]["net"]["init_args"]
+    init = net_options(config)
     args = [f"{NET}.z_dim", "3", f"{NET}.hidden", "16", "--trainer.limit_train_batches", "3",
             "--trainer.limit_val_batches", "2", "--trainer.limit_test_batches", "1"]
     if "eps_dim" in init:

@@ -1,20 +1,15 @@
-"""Configs show what differs: no config restates a default that the code already sets (run plumbing, DEQ
-solver defaults, evaluation budgets); the design choices that name a config (loss, network kind, sizes) may be
-restated for the reader."""
+"""Configs show what differs: no config, composed with its bases, restates any default that the code already sets
+(``--print_config`` shows the whole, defaults included); there is no list of exempt keys."""
 
 import importlib
 import inspect
 
 import pytest
-import yaml
+
+from deqscore.configfiles import load_config
 
 from .conftest import CONFIGS
 
-# keys a config may restate at their default: they say what the config is
-NAMING_KEYS = {"loss", "m_net", "score", "arch", "body", "feature_net", "transform", "solver", "hidden", "n_layers",
-               "n_couplings", "z_dim", "eps_dim", "nef", "ngf", "channels", "norm_scale", "dataset", "stop_mode",
-               "alpha_points", "val_fraction", "train_subset", "lr", "decay", "metrics",
-               "save_last", "grad_through_norm", "n_centres", "deep_layers", "injection_prestep", "use_lmdb"}
 CLI_DEFAULTS = {"runs_root": "checkpoints"}
 TRAINER_DEFAULTS = {"inference_mode": False}  # the CLI's
 
@@ -40,7 +35,7 @@ def _restated(node, where: str) -> list[str]:
     if isinstance(node, dict) and "class_path" in node and isinstance(node.get("init_args"), dict):
         defaults = _defaults(node["class_path"])
         for key, value in node["init_args"].items():
-            if key in defaults and key not in NAMING_KEYS and _same(value, defaults[key]):
+            if key in defaults and _same(value, defaults[key]):
                 found.append(f"{where}.{key}: {value!r}")
             found += _restated(value, f"{where}.{key}")
     elif isinstance(node, dict):
@@ -54,7 +49,7 @@ def _restated(node, where: str) -> list[str]:
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
 def test_configs_do_not_restate_code_defaults(config):
-    cfg = yaml.safe_load(config.read_text())
+    cfg = load_config(config)
     found = [f"{k}: {v!r}" for k, v in CLI_DEFAULTS.items() if cfg.get(k) == v]
     found += [f"trainer.{k}: {v!r}" for k, v in TRAINER_DEFAULTS.items() if (cfg.get("trainer") or {}).get(k) == v]
     found += _restated({k: cfg[k] for k in ("model", "data", "trainer", "optimizer") if k in cfg}, "")

@@ -7,8 +7,10 @@ import yaml
 from pytorch_lightning.callbacks import ModelCheckpoint
 
 from deqscore.cli.train import DeqscoreCLI, main
+from deqscore.configfiles import load_config
 from deqscore.data.transforms import ImageCodec
 from deqscore.deq import DEQ
+from deqscore.families import net_options
 from deqscore.lightning import ScoreModule, family_registry, load_module
 
 from .conftest import CONFIGS, FAMILY_TINY, ROOT, family_of, tiny_args
@@ -27,11 +29,11 @@ def test_every_config_parses_and_instantiates(config, tmp_path):
     cli = DeqscoreCLI(args=["--config", str(config), "--runs_root", str(tmp_path)], run=False)
     model = cli.model
     assert isinstance(model, family_registry()[family_of(config)])
-    raw = yaml.safe_load(config.read_text())["model"]["init_args"]["net"]["init_args"]
+    raw = net_options(load_config(config))
     # a DEQ config really builds DEQ layers with the configured options; an explicit one none
     deqs = [m for m in model.modules() if isinstance(m, DEQ)]
     if raw.get("deq"):
-        assert deqs and all(getattr(d, k) == v for d in deqs for k, v in raw["deq"]["init_args"].items())
+        assert deqs and all(getattr(d, k) == v for d in deqs for k, v in (raw["deq"].get("init_args") or {}).items())
     else:
         assert not deqs
     assert cli.trainer.validate_loop.inference_mode is False and cli.trainer.test_loop.inference_mode is False
@@ -43,18 +45,19 @@ def test_every_config_parses_and_instantiates(config, tmp_path):
     if family_of(config) == "ncsn":  # score networks on images: k / 255 in [0, 1], averaged weights
         assert cli.datamodule.transform == "pixels" and cli.model.net.image_shape == cli.datamodule.image_shape
         assert any(type(c).__name__ == "EMAWeightAveraging" for c in cli.trainer.callbacks)
-    raw_config = yaml.safe_load(config.read_text())
+    raw_config = load_config(config)
     if "optimizer" not in raw_config:  # a family with its own optimisers (the VAE's two) declares them itself
         optimizer = raw_config["model"]["init_args"]["ae_optimizer"]
         opt = model.configure_optimizers()[0]
         assert type(opt).__name__ == optimizer["class_path"].rsplit(".", 1)[-1]
-        assert opt.defaults["lr"] == optimizer["init_args"]["lr"]
+        assert opt.defaults["lr"] == (optimizer.get("init_args") or {}).get("lr", opt.defaults["lr"])
         return
     optimizer = raw_config["optimizer"]
     configured = model.configure_optimizers()
     opt = configured["optimizer"] if isinstance(configured, dict) else configured
     assert type(opt).__name__ == optimizer["class_path"].rsplit(".", 1)[-1]
-    assert opt.defaults["lr"] == optimizer["init_args"]["lr"]
+    lr = (optimizer.get("init_args") or {}).get("lr")  # none: the optimiser's own default
+    assert opt.defaults["lr"] == (lr if lr is not None else type(opt)([torch.zeros(1)]).defaults["lr"])
     if config.name == "deq_reference.yaml":  # the reference code's settings (docs/method.md 2.5, 5)
         deq = deqs[0]
         if family_of(config) == "nice":
@@ -69,7 +72,7 @@ def test_print_config_shows_the_whole_resolved_tree(config, capsys):
         main(["fit", "--config", str(config), "--print_config"])
     printed = yaml.safe_load(capsys.readouterr().out)
     net = printed["model"]["init_args"]["net"]
-    written = yaml.safe_load(config.read_text())["model"]["init_args"]["net"].get("init_args") or {}
+    written = load_config(config)["model"]["init_args"]["net"].get("init_args") or {}
     assert net["class_path"] and set(net["init_args"]) > set(written)  # defaults resolved, not only the file's
     assert "dim" not in net["init_args"]  # linked: the network's input dimension is the data module's
     if net["init_args"].get("deq"):

@@ -3,7 +3,6 @@ averaged model's seeded samples against the cached training-set statistics, reco
 best-FID checkpoint, the grid, fid.json and the usage errors."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ import yaml
 
 import sample
 from deqscore.cli.train import main, run
+from deqscore.configfiles import load_config
 from deqscore.lightning import load_module
 from deqscore.lightning.callbacks import read_metrics_csv
 from deqscore.lightning.fid import BEST_FID_FILE, _share
@@ -74,7 +74,7 @@ def test_best_fid_checkpoint_and_grids(fid_run):
 
 def test_fid_callback_listed_before_the_averaging_is_refused(tmp_path, capsys):
     args = tiny_args(tmp_path, CONFIG, "order")
-    config = yaml.safe_load(Path(args[1]).read_text())
+    config = load_config(args[1])
     config["trainer"]["callbacks"].insert(0, {"class_path": "deqscore.lightning.FIDCallback"})
     path = tmp_path / "order.yaml"
     path.write_text(yaml.safe_dump(config))

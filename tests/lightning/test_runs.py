@@ -14,6 +14,7 @@ import yaml
 
 from deqscore import files
 from deqscore.cli.train import main, run
+from deqscore.configfiles import load_config
 from deqscore.lightning.callbacks import read_metrics_csv
 from deqscore.lightning.runs import AtomicCheckpointIO, RunLock
 
@@ -258,7 +259,7 @@ def test_a_checkpoint_kept_outside_any_run_continues_its_own_run_and_never_anoth
 
 def test_a_checkpoint_dirpath_in_another_run_is_refused(tmp_path, capsys):
     _fit(tmp_path, "a")
-    callbacks = yaml.safe_load((ROOT / EXPLICIT).read_text())["trainer"]["callbacks"]
+    callbacks = load_config(ROOT / EXPLICIT)["trainer"]["callbacks"]
 
     def fit_b(dirpath):  # the config's first ModelCheckpoint writing to dirpath (a config given after the first)
         callbacks[0]["init_args"]["dirpath"] = str(dirpath)

@@ -3,16 +3,16 @@
 
 import pytest
 import torch
-import yaml
 
 from deqscore.cli.train import main
+from deqscore.configfiles import load_config
 from deqscore.lightning.callbacks import read_metrics_csv
 
 from .conftest import ROOT, tiny_args
 
 
 def _checkpointing(config):
-    callbacks = yaml.safe_load((ROOT / config).read_text())["trainer"]["callbacks"]
+    callbacks = load_config(ROOT / config)["trainer"]["callbacks"]
     return next(c["init_args"] for c in callbacks if c["class_path"].endswith("ModelCheckpoint"))
 
 

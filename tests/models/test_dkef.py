@@ -5,6 +5,7 @@ from functools import partial
 import pytest
 import torch
 
+from deqscore.configfiles import load_config
 from deqscore.deq import DEQ
 from deqscore.errors import ConfigError
 from deqscore.losses import denoising_score_matching, exact_score_matching, sliced_score_matching
@@ -500,11 +501,10 @@ def test_second_derivatives_at_the_centres_match_the_plain_kernel(feature_net):
 def test_dkef_deq_configs_truncate_the_neumann_series_as_documented(config, expected_terms):
     # the DEQ feature map is linear, z = W~ z + u: K steps from the detached fixed point give dz/du = sum_{k<K} W~^k,
     # and the reference's injection-only pre-step adds one term (docs/method.md 2.5)
-    import yaml
 
     from deqscore.lightning import build_module
 
-    cfg = yaml.safe_load(open(f"configs/dkef/{config}"))["model"]
+    cfg = load_config(f"configs/dkef/{config}")["model"]
     cfg["init_args"]["net"]["init_args"].update(dim=3, n_centres=4, hidden=5)
     body = build_module(cfg).net.features[0].body.double()
     u = torch.randn(2, 5, dtype=F64, requires_grad=True)

@@ -1,0 +1,80 @@
+"""Config files that compose. A config may name a base, ``base: _shared.yaml`` (or a list, applied in order), a
+path relative to the config's own folder; the config's options then override the base's: mappings are merged key by
+key, anything else (a value, a list such as ``trainer.callbacks``) is replaced whole. Every reader of a config goes
+through :func:`load_config` (the command line, the benchmarks, the tests), so a config means the same everywhere.
+Files whose names start with ``_`` are bases, not runnable configs.
+
+>>> import tempfile, pathlib
+>>> d = pathlib.Path(tempfile.mkdtemp())
+>>> _ = (d / "_base.yaml").write_text("trainer: {max_epochs: 10, log_every_n_steps: 5}\\nseed_everything: 1\\n")
+>>> _ = (d / "run.yaml").write_text("base: _base.yaml\\ntrainer: {max_epochs: 2}\\n")
+>>> load_config(d / "run.yaml")
+{'trainer': {'max_epochs': 2, 'log_every_n_steps': 5}, 'seed_everything': 1}
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+BASE_KEY = "base"
+
+
+class ConfigFileError(ValueError):
+    """A config file that cannot be read, is not a mapping, or names a base that cannot be composed."""
+
+
+def is_base(path: str | Path) -> bool:
+    """A base config (its name starts with ``_``), composed into others, never run alone."""
+    return Path(path).name.startswith("_")
+
+
+def read_mapping(path: str | Path) -> dict[str, Any]:
+    """The YAML mapping in ``path``, or :class:`ConfigFileError` naming the file."""
+    try:
+        content = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigFileError(f"{path}: not a readable YAML file ({type(err).__name__}: {err})") from None
+    if not isinstance(content, dict):
+        what = "empty" if content is None else f"a YAML {type(content).__name__}"
+        raise ConfigFileError(f"{path}: the file is {what}; a config is a mapping of options (seed_everything:, "
+                              "trainer:, model:, data:, ...), see configs/")
+    return content
+
+
+def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` on top of ``base``: mappings merged key by key, everything else replaced."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    if "class_path" in out:  # first, as configs write it, whichever file gave it
+        out = {"class_path": out.pop("class_path"), **out}
+    return out
+
+
+def load_config(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The options of the config at ``path`` with its bases composed in (see the module docstring)."""
+    path = Path(path)
+    if path.resolve() in _seen:
+        raise ConfigFileError(f"{path}: its bases name it again ({' -> '.join(str(p) for p in _seen)})")
+    content = read_mapping(path)
+    bases = content.pop(BASE_KEY, [])
+    out: dict[str, Any] = {}
+    for base in [bases] if isinstance(bases, str) else bases:
+        base_path = path.parent / base
+        if not base_path.is_file():
+            raise ConfigFileError(f"{path}: its base {base} is not a file ({base_path})")
+        out = merged(out, load_config(base_path, (*_seen, path.resolve())))
+    return merged(out, content)
+
+
+def composes(path: str | Path) -> bool:
+    """Whether the config at ``path`` names a base."""
+    return BASE_KEY in read_mapping(path)
+
+
+def composed_text(path: str | Path) -> str:
+    """The composed config as YAML text (what the command line is given in place of a composing file)."""
+    return yaml.safe_dump(load_config(path), sort_keys=False)
