@@ -46,7 +46,10 @@ USAGE_ERRORS = [  # (extra arguments, what the one-line message must say)
     ([f"{DEQ_KEY}.tol", "-1"], "DEQ tol must be positive, got -1.0"),
     (["--model.init_args.loss", "deqscore.losses.SSM", "--model.init_args.loss.projection", "uniform"],
      "model.init_args.loss.projection: 'uniform' is not accepted\n  accepted: 'rademacher', 'gaussian', 'sphere'"),
-    (["--model.init_args.loss.n_projections", "2"], "model.init_args.loss: cannot set n_projections='2' on a short"),
+    (["--model.init_args.loss", "ssm", "--model.init_args.loss.n_projections", "2"],
+     "model.init_args.loss: cannot set n_projections='2' on a short"),
+    (["--model.init_args.loss.n_projections", "2"],  # the loss left at the module's default
+     "model.init_args.loss.n_projections: '2' is not accepted\n  accepted: 'exact', 'ssm'"),
     (["--model.init_args.net.init_args.hidden", "wide"], "net.init_args.hidden: Expected a <class 'int'>"),
     (["--optimizer", "Adamm"], "optimizer: 'Adamm' is not accepted\n  accepted: any torch.optim optimizer"),
     (["--data.init_args.transform", "sigmoid"],
