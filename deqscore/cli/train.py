@@ -31,7 +31,7 @@ from ..configfiles import ConfigFileError, composed_text, composes
 from ..data.errors import CorruptDataError, DataNotFoundError
 from ..errors import ConfigError
 from ..lightning.base import NonFiniteLossError, ScoreModule
-from ..lightning.callbacks import ConfiguredOptimizerOptions, Preempted, SaveOnInterrupt
+from ..lightning.callbacks import PREEMPTED_STATUS, ConfiguredOptimizerOptions, Preempted, SaveOnInterrupt
 from ..lightning.runs import (
     RUN_ID_KEY,
     AtomicCheckpointIO,
@@ -375,9 +375,6 @@ def main(args: list[str] | None = None) -> DeqscoreCLI:
     return DeqscoreCLI(args=args)  # the families are registered by importing deqscore.lightning
 
 
-PREEMPTED = 128 + signal.SIGTERM  # the exit status of a run stopped by SIGTERM or SIGUSR1, its state saved
-
-
 def run(args: list[str] | None = None) -> int:
     """``train.py``: :func:`main`, with usage mistakes reported as one message and exit status 2."""
     try:
@@ -387,7 +384,7 @@ def run(args: list[str] | None = None) -> int:
     except Preempted as err:  # the state is saved (SaveOnInterrupt said where)
         print_error(f"preempted by {signal.Signals(err.signum).name}: the run's state is in its "
                     "checkpoints/interrupted.ckpt; resume with --ckpt_path <run>/checkpoints/interrupted.ckpt")
-        return PREEMPTED
+        return PREEMPTED_STATUS
     except USAGE_ERRORS as err:  # found after parsing: no optimizer, no data
         print_error(str(err))
         return 2

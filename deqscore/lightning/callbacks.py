@@ -122,11 +122,14 @@ def plot_learning_curves(csv_path: str | Path, out: str | Path, metrics: tuple[s
     return Path(out)
 
 
+PREEMPTED_STATUS = 128 + signal.SIGTERM  # the exit status of a run stopped by SIGTERM or SIGUSR1, its state saved
+
+
 class Preempted(SystemExit):
     """Training stopped by SIGTERM or SIGUSR1, its state saved (:class:`SaveOnInterrupt`)."""
 
     def __init__(self, signum: int):
-        super().__init__(128 + signal.SIGTERM)
+        super().__init__(PREEMPTED_STATUS)
         self.signum = signum
 
 

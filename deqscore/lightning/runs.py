@@ -35,13 +35,23 @@ class RunInUseError(ConfigError):
     """Another process holds the run directory."""
 
 
+def lock_path(run_dir: Path) -> Path:
+    """The lock file of ``run_dir``: ``<runs_root>/.<run_name>.lock``, beside the run, so the run can be moved aside
+    while it is held."""
+    return Path(run_dir).parent / f".{Path(run_dir).name}.lock"
+
+
+def _holder(fd: int) -> str:
+    """The pid a lock's holder wrote into the lock file open as ``fd``."""
+    return os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+
+
 class RunLock:
-    """Exclusive lock of a run directory, ``<runs_root>/.<run_name>.lock`` (beside the run, so the run can be
-    moved aside while it is held)."""
+    """Exclusive lock of a run directory (:func:`lock_path`)."""
 
     def __init__(self, run_dir: Path):
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir.parent / f".{self.run_dir.name}.lock"
+        self.path = lock_path(self.run_dir)
         self._fd: int | None = None
 
     def acquire(self) -> RunLock:
@@ -50,7 +60,7 @@ class RunLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+            holder = _holder(fd)
             os.close(fd)
             raise RunInUseError(
                 f"run directory {self.run_dir} is in use by process {holder}; wait for it to finish or choose "
@@ -130,7 +140,7 @@ class RunIdentity(Callback):
 
 def lock_holder(run_dir: Path) -> str | None:
     """The process holding ``run_dir``'s :class:`RunLock` (its pid as written), or None when it is free."""
-    path = Path(run_dir).parent / f".{Path(run_dir).name}.lock"
+    path = lock_path(run_dir)
     if not path.exists():
         return None
     fd = os.open(path, os.O_RDONLY)
@@ -138,7 +148,7 @@ def lock_holder(run_dir: Path) -> str | None:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         return None
     except BlockingIOError:
-        return os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+        return _holder(fd)
     finally:
         os.close(fd)  # closing drops a shared lock taken above
 

@@ -14,8 +14,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from deqscore.cli.train import PREEMPTED
-from deqscore.lightning.callbacks import read_metrics_csv
+from deqscore.lightning.callbacks import PREEMPTED_STATUS, read_metrics_csv
 
 from .conftest import ROOT, tiny_args
 
@@ -57,7 +56,7 @@ def test_a_preempted_run_saves_its_state_and_resumes_exactly(tmp_path, signum, a
         time.sleep(0.05)
     proc.send_signal(signum)
     out, err = proc.communicate(timeout=TIMEOUT_S)
-    assert proc.returncode == PREEMPTED, out[-2000:] + err[-2000:]
+    assert proc.returncode == PREEMPTED_STATUS, out[-2000:] + err[-2000:]
     assert f"preempted by {signal.Signals(signum).name}" in err and err.count("Traceback") == 0
     saved = tmp_path / "cut" / "checkpoints" / "interrupted.ckpt"
     assert torch.load(saved, weights_only=False)["global_step"] == at

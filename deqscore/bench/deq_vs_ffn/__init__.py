@@ -87,7 +87,8 @@ def run_unit(task: Task, network: str, seed: int, protocol: dict, steps: int) ->
     held_out = task.sample(evaluation["samples"], torch.Generator().manual_seed(evaluation["seed"]))
     untrained = task.metric(net, held_out)
     opt = torch.optim.Adam(net.parameters(), lr=training["lr"])
-    layers = _Objective(net, task).deq_layers()
+    objective = _Objective(net, task)
+    layers = objective.deq_layers()
     iters, capped_solves, curve, eval_seconds = [], 0, [], 0.0
     every = max(1, steps // CURVE_POINTS)
     start = time.perf_counter()
@@ -116,7 +117,7 @@ def run_unit(task: Task, network: str, seed: int, protocol: dict, steps: int) ->
         "capped_solves": capped_solves / len(iters) if iters else None,
     }
     if layers:
-        record["trust"] = trust_figures(_Objective(net, task), task.sample(512, gen), seed=seed)
+        record["trust"] = trust_figures(objective, task.sample(512, gen), seed=seed)
     return record
 
 
