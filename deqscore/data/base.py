@@ -250,10 +250,10 @@ class ImageDataModule(pl.LightningDataModule, abc.ABC):
     def train_dataloader(self) -> DataLoader:
         """Shuffled training batches ``(x [B, dim], labels [B])``; the last incomplete batch is dropped."""
         if self.train_dataset is not None and len(self.train_dataset) < self.batch_size:
-            raise ValueError(
-                f"the training set has {len(self.train_dataset)} items, fewer than "
-                f"batch_size={self.batch_size}, so drop_last would leave no batch; lower batch_size or raise "
-                "train_subset"
+            raise ConfigError(  # a usage mistake (subsets and batch size set apart): one line, no traceback
+                f"data.batch_size: {self.batch_size} is more than the {len(self.train_dataset)} training items, "
+                "and the last incomplete batch is dropped, so no batch is left; lower data.batch_size or raise "
+                "data.train_subset"
             )
         return self._loader(self.train_dataset, "train", self.batch_size, train=True)
 

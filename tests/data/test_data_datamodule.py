@@ -11,6 +11,7 @@ import torch
 from deqscore.data import ImageCodec, split_indices
 from deqscore.data import mnist as mnist_module
 from deqscore.data.mnist import MNISTDataModule
+from deqscore.errors import ConfigError
 
 
 def _module(tmp_path, **kwargs) -> MNISTDataModule:
@@ -158,7 +159,7 @@ def test_loader_errors(tmp_path):
     with pytest.raises(RuntimeError, match="setup"):
         dm.val_dataloader()
     dm.setup("fit")
-    with pytest.raises(ValueError, match="fewer than batch_size"):
+    with pytest.raises(ConfigError, match="more than the .* training items"):
         dm.train_dataloader()
 
 

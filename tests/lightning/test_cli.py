@@ -284,6 +284,13 @@ def test_missing_data_is_a_usage_error_naming_what_to_put_where(tmp_path, capsys
     assert "error: " in err and "MNIST" in err and str(tmp_path / "empty") in err and "Traceback" not in err
 
 
+def test_a_batch_larger_than_the_training_subset_is_a_usage_error(tmp_path, capsys):
+    assert run(["fit", *tiny_args(tmp_path), "--data.init_args.batch_size", "64", "--trainer.max_steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "error: data.batch_size: 64 is more than the 48 training items" in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
 def test_sample_script_reports_a_bad_checkpoint_in_one_message(tmp_path, capsys):
     import sample
 
