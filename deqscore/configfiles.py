@@ -1,8 +1,13 @@
 """Config files that compose. A config may name a base, ``base: _shared.yaml`` (or a list, applied in order), a
 path relative to the config's own folder; the config's options then override the base's: mappings are merged key by
-key, anything else (a value, a list such as ``trainer.callbacks``) is replaced whole. Every reader of a config goes
-through :func:`load_config` (the command line, the benchmarks, the tests), so a config means the same everywhere.
-Files whose names start with ``_`` are bases, not runnable configs.
+key, anything else (a value, a list) is replaced whole. Every reader of a config goes through :func:`load_config`
+(the command line, the benchmarks, the tests), so a config means the same everywhere. Files whose names start with
+``_`` are bases, not runnable configs.
+
+The trainer's callbacks may be written as a mapping of named callbacks (``trainer.callbacks.checkpoint: {class_path:
+..., init_args: ...}``), so that they compose like any other mapping: a config changes one option of a base's
+callback by its name, adds a callback under a new name, and drops one by setting its name to null. The composed
+config lists them, in the mapping's order, as the trainer takes them.
 
 >>> import tempfile, pathlib
 >>> d = pathlib.Path(tempfile.mkdtemp())
@@ -10,6 +15,10 @@ Files whose names start with ``_`` are bases, not runnable configs.
 >>> _ = (d / "run.yaml").write_text("base: _base.yaml\\ntrainer: {max_epochs: 2}\\n")
 >>> load_config(d / "run.yaml")
 {'trainer': {'max_epochs': 2, 'log_every_n_steps': 5}, 'seed_everything': 1}
+>>> _ = (d / "_cb.yaml").write_text("trainer: {callbacks: {a: {class_path: A}, b: {class_path: B}}}\\n")
+>>> _ = (d / "cb.yaml").write_text("base: _cb.yaml\\ntrainer: {callbacks: {a: null, c: {class_path: C}}}\\n")
+>>> load_config(d / "cb.yaml")
+{'trainer': {'callbacks': [{'class_path': 'B'}, {'class_path': 'C'}]}}
 """
 
 from __future__ import annotations
@@ -54,25 +63,42 @@ def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_config(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """The options of the config at ``path`` with its bases composed in (see the module docstring)."""
+def load_config(path: str | Path) -> dict[str, Any]:
+    """The options of the config at ``path`` with its bases composed in and its named callbacks listed (see the
+    module docstring)."""
+    config = composed(path)
+    callbacks = (config.get("trainer") or {}).get("callbacks")
+    if isinstance(callbacks, dict):
+        config["trainer"]["callbacks"] = [c for c in callbacks.values() if c is not None]
+    return config
+
+
+def composed(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The options of the config at ``path`` with its bases composed in, named callbacks still a mapping."""
+    content = read_mapping(path)
+    content.pop(BASE_KEY, None)
+    return merged(base_options(path, _seen), content)
+
+
+def base_options(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """What the config at ``path`` composes on: its bases, each composed, merged in order (empty without a base)."""
     path = Path(path)
     if path.resolve() in _seen:
         raise ConfigFileError(f"{path}: its bases name it again ({' -> '.join(str(p) for p in _seen)})")
-    content = read_mapping(path)
-    bases = content.pop(BASE_KEY, [])
+    bases = read_mapping(path).get(BASE_KEY, [])
     out: dict[str, Any] = {}
     for base in [bases] if isinstance(bases, str) else bases:
         base_path = path.parent / base
         if not base_path.is_file():
             raise ConfigFileError(f"{path}: its base {base} is not a file ({base_path})")
-        out = merged(out, load_config(base_path, (*_seen, path.resolve())))
-    return merged(out, content)
+        out = merged(out, composed(base_path, (*_seen, path.resolve())))
+    return out
 
 
 def composes(path: str | Path) -> bool:
-    """Whether the config at ``path`` names a base."""
-    return BASE_KEY in read_mapping(path)
+    """Whether the config at ``path`` needs composing: it names a base or names its callbacks."""
+    content = read_mapping(path)
+    return BASE_KEY in content or isinstance((content.get("trainer") or {}).get("callbacks"), dict)
 
 
 def composed_text(path: str | Path) -> str:

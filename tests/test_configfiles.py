@@ -1,12 +1,14 @@
-"""Configs that compose (deqscore.configfiles): a base's options overridden key by key, lists replaced whole, and
-every composing config in configs/ meaning what it did when written out in full (its printed config is checked
-against the saved run config by tests/lightning/test_families.py)."""
+"""Configs that compose (deqscore.configfiles): a base's options overridden key by key, lists replaced whole, named
+callbacks composed by name, and no block of options written in more than two of the shipped config files."""
+
+import json
+from collections import defaultdict
 
 import pytest
 import yaml
 
 from deqscore.cli.train import run
-from deqscore.configfiles import ConfigFileError, composed_text, is_base, load_config
+from deqscore.configfiles import ConfigFileError, composed_text, composes, is_base, load_config
 from deqscore.families import ROOT
 
 
@@ -24,6 +26,17 @@ def test_a_config_overrides_its_bases_key_by_key_and_replaces_lists(tmp_path):
                                        "seed_everything": 1, "model": {"class_path": "m.M", "init_args": {"x": 1}}}
     assert list(load_config(run_config)["model"]) == ["class_path", "init_args"]  # as configs write it
     assert yaml.safe_load(composed_text(run_config)) == load_config(run_config)
+
+
+def test_named_callbacks_compose_by_name_and_become_the_trainers_list(tmp_path):
+    checkpoint = {"class_path": "pytorch_lightning.callbacks.ModelCheckpoint", "init_args": {"save_last": True}}
+    write(tmp_path / "_a.yaml", {"trainer": {"callbacks": {"checkpoint": checkpoint, "curves": {"class_path": "C"}}}})
+    run_config = write(tmp_path / "run.yaml", {"base": "_a.yaml", "trainer": {"callbacks": {
+        "checkpoint": {"init_args": {"monitor": "val/loss"}}, "curves": None, "ema": {"class_path": "E"}}}})
+    assert load_config(run_config)["trainer"]["callbacks"] == [
+        {"class_path": checkpoint["class_path"], "init_args": {"save_last": True, "monitor": "val/loss"}},
+        {"class_path": "E"}]
+    assert composes(run_config) and not composes(write(tmp_path / "plain.yaml", {"trainer": {"callbacks": []}}))
 
 
 @pytest.mark.parametrize(("files", "message"), [
@@ -50,3 +63,38 @@ def test_the_shipped_bases_compose_and_are_never_run_alone():
     for path in composing:
         config = load_config(path)
         assert {"model", "data", "trainer"} <= set(config) and "base" not in config, path
+
+
+def blocks(node, path=()):
+    """Every block of options in a config file as (where, what): each mapping below the top, each top-level value
+    (``seed_everything: 2019``); list items are placed by their list, not their index."""
+    if isinstance(node, dict):
+        if path and node:
+            yield path, json.dumps(node, sort_keys=True)
+        for key, value in node.items():
+            if not path and key != "base" and not isinstance(value, dict | list):
+                yield (key,), json.dumps(value)
+            yield from blocks(value, (*path, key))
+    elif isinstance(node, list):
+        for value in node:
+            yield from blocks(value, (*path, "[]"))
+
+
+def repeated_blocks(folder, at_most: int = 2) -> dict:
+    where = defaultdict(set)
+    for path in sorted(folder.rglob("*.yaml")):
+        for block in blocks(yaml.safe_load(path.read_text())):
+            where[block].add(path.relative_to(folder).as_posix())
+    return {block: sorted(files) for block, files in where.items() if len(files) > at_most}
+
+
+def test_no_block_of_options_is_written_in_more_than_two_config_files(tmp_path):
+    assert not repeated_blocks(ROOT / "configs")
+    # the check can fail: one checkpoint block written out in three files
+    block = {"trainer": {"callbacks": [{"class_path": "M", "init_args": {"save_last": True}}]}, "seed_everything": 1}
+    for name in ("a", "b", "c"):
+        write(tmp_path / f"{name}.yaml", {**block, "run_name": name})
+    assert set(repeated_blocks(tmp_path)) == {
+        (("seed_everything",), "1"), (("trainer",), json.dumps(block["trainer"], sort_keys=True)),
+        (("trainer", "callbacks", "[]"), json.dumps(block["trainer"]["callbacks"][0], sort_keys=True)),
+        (("trainer", "callbacks", "[]", "init_args"), '{"save_last": true}')}

@@ -150,9 +150,9 @@ def launch_rank() -> int:
 
 
 def compose_config_files(argv: list[str]) -> list[str]:
-    """``argv`` with every ``--config`` file that names a base replaced by its composed options
-    (:mod:`deqscore.configfiles`); a file that is empty, not a mapping of options or names a missing base is a
-    usage error naming the file (the parser's own message, "Unexpected config", names none)."""
+    """``argv`` with every ``--config`` file that composes (names a base or names its callbacks) replaced by its
+    composed options (:mod:`deqscore.configfiles`); a file that is empty, not a mapping of options or names a
+    missing base is a usage error naming the file (the parser's own message, "Unexpected config", names none)."""
     out = list(argv)
     for i, arg in enumerate(argv):
         path = argv[i + 1] if arg == "--config" and i + 1 < len(argv) else (

@@ -1,28 +1,36 @@
-"""Configs show what differs: no config, composed with its bases, restates any default that the code already sets
-(``--print_config`` shows the whole, defaults included); there is no list of exempt keys."""
+"""Configs state only what differs: no config file, base or runnable, states an option that its bases or the code
+already give it (``--print_config`` shows the whole, defaults included). There is no list of exempt keys. A value
+that undoes a base's (``monitor: null`` where the base monitors a loss) changes something and is stated."""
 
 import importlib
 import inspect
 
 import pytest
+from pytorch_lightning import Trainer
 
-from deqscore.configfiles import load_config
+from deqscore.configfiles import base_options, composed, read_mapping
 
-from .conftest import CONFIGS
+from .conftest import ROOT
 
-CLI_DEFAULTS = {"runs_root": "checkpoints"}
-TRAINER_DEFAULTS = {"inference_mode": False}  # the CLI's
+CONFIG_FILES = sorted((ROOT / "configs").rglob("*.yaml"))
+TOP_DEFAULTS = {"runs_root": "checkpoints"}  # the CLI's own options
 
 
-def _defaults(class_path: str) -> dict:
-    module, _, name = class_path.rpartition(".")
-    cls = getattr(importlib.import_module(module), name)
+def _defaults(cls) -> dict:
     return {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()
             if p.default is not inspect.Parameter.empty}
 
 
+def _class_defaults(class_path: str) -> dict:
+    module, _, name = class_path.rpartition(".")
+    return _defaults(getattr(importlib.import_module(module), name))
+
+
+TRAINER_DEFAULTS = {**_defaults(Trainer), "inference_mode": False}  # the CLI sets inference_mode
+
+
 def _same(value, default) -> bool:
-    """A YAML value equal to a code default of the same kind: a YAML list and a tuple default compare as sequences,
+    """A YAML value equal to a default of the same kind: a YAML list and a tuple default compare as sequences,
     ``0.0`` and ``0`` as numbers; ``0`` and ``False`` do not count as the same."""
     if isinstance(value, list) and isinstance(default, list | tuple):
         return len(value) == len(default) and all(_same(v, d) for v, d in zip(value, default, strict=True))
@@ -30,27 +38,64 @@ def _same(value, default) -> bool:
     return not isinstance(value, dict | list) and (numbers or type(value) is type(default)) and value == default
 
 
-def _restated(node, where: str) -> list[str]:
-    found = []
-    if isinstance(node, dict) and "class_path" in node and isinstance(node.get("init_args"), dict):
-        defaults = _defaults(node["class_path"])
-        for key, value in node["init_args"].items():
-            if key in defaults and _same(value, defaults[key]):
-                found.append(f"{where}.{key}: {value!r}")
-            found += _restated(value, f"{where}.{key}")
-    elif isinstance(node, dict):
+_MISSING = object()
+
+
+def _at(node, path):
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return _MISSING
+        node = node[key]
+    return node
+
+
+def _code_default(whole: dict, path: tuple):
+    """The code's default for the option at ``path``: the ``__init__`` default of the class whose ``init_args`` hold
+    it, the trainer's or the CLI's (``_MISSING`` where the code has none)."""
+    if len(path) == 1:
+        return TOP_DEFAULTS.get(path[0], _MISSING)
+    if len(path) == 2 and path[0] == "trainer":
+        return TRAINER_DEFAULTS.get(path[1], _MISSING)
+    owner = _at(whole, path[:-2])
+    if path[-2] == "init_args" and isinstance(owner, dict) and isinstance(owner.get("class_path"), str):
+        return _class_defaults(owner["class_path"]).get(path[-1], _MISSING)
+    return _MISSING
+
+
+def _leaves(node, path=()):
+    if isinstance(node, dict) and node:
         for key, value in node.items():
-            found += _restated(value, f"{where}.{key}")
-    elif isinstance(node, list):
-        for i, value in enumerate(node):
-            found += _restated(value, f"{where}[{i}]")
+            yield from _leaves(value, (*path, key))
+    elif path:
+        yield path, node
+
+
+def restated(config_file) -> list[str]:
+    """The options ``config_file`` states that change nothing: each equal to what its bases, or else the code,
+    already give."""
+    stated = read_mapping(config_file)
+    stated.pop("base", None)
+    below, whole = base_options(config_file), composed(config_file)
+    found = []
+    for path, value in _leaves(stated):
+        before = _at(below, path)
+        if before is _MISSING:
+            before = _code_default(whole, path)
+        if before is not _MISSING and _same(value, before):
+            found.append(f"{'.'.join(map(str, path))}: {value!r}")
     return found
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
-def test_configs_do_not_restate_code_defaults(config):
-    cfg = load_config(config)
-    found = [f"{k}: {v!r}" for k, v in CLI_DEFAULTS.items() if cfg.get(k) == v]
-    found += [f"trainer.{k}: {v!r}" for k, v in TRAINER_DEFAULTS.items() if (cfg.get("trainer") or {}).get(k) == v]
-    found += _restated({k: cfg[k] for k in ("model", "data", "trainer", "optimizer") if k in cfg}, "")
-    assert not found, f"{config.name} restates defaults: {found}"
+@pytest.mark.parametrize("config_file", CONFIG_FILES, ids=lambda c: str(c.relative_to(ROOT / "configs")))
+def test_no_config_file_states_what_its_bases_or_the_code_already_give(config_file):
+    assert not restated(config_file), f"{config_file.name} restates: {restated(config_file)}"
+
+
+def test_a_restated_option_is_found(tmp_path):
+    """The check can fail: a code default, a base's value, and a list equal to a tuple default are each found."""
+    (tmp_path / "_b.yaml").write_text("trainer: {max_epochs: 5}\noptimizer: {class_path: torch.optim.Adam}\n")
+    (tmp_path / "run.yaml").write_text(
+        "base: _b.yaml\ntrainer: {max_epochs: 5, inference_mode: false, max_steps: 7}\n"
+        "optimizer: {init_args: {betas: [0.9, 0.999], lr: 0.5}}\n")
+    assert restated(tmp_path / "run.yaml") == ["trainer.max_epochs: 5", "trainer.inference_mode: False",
+                                               "optimizer.init_args.betas: [0.9, 0.999]"]

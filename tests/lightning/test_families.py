@@ -1,5 +1,6 @@
-"""Tests that follow the registries: every registered family's configs parse, build, train one step, save a
-checkpoint that rebuilds the module alone, and sample images through the data module's transform."""
+"""Tests that follow the registries: every registered family's configs parse, build, train two steps with the
+recorded losses (config_losses.py), save a checkpoint that rebuilds the module alone, and sample images through
+the data module's transform."""
 
 import pytest
 import torch
@@ -13,7 +14,10 @@ from deqscore.deq import DEQ
 from deqscore.families import net_options
 from deqscore.lightning import ScoreModule, family_registry, load_module
 
+from .config_losses import TWO_STEPS, logged_training, recorded
 from .conftest import CONFIGS, FAMILY_TINY, ROOT, family_of, tiny_args
+
+RECORDED_LOSSES = recorded()
 
 FAMILY_CONFIGS = [c for configs, _ in FAMILY_TINY.values() for c in configs]
 ids = lambda p: str(p.relative_to(ROOT / "configs"))  # noqa: E731
@@ -82,10 +86,17 @@ def test_print_config_shows_the_whole_resolved_tree(config, capsys):
 
 
 @pytest.mark.parametrize("config", FAMILY_CONFIGS, ids=ids)
-def test_fast_dev_run_checkpoint_rebuilds_the_module_and_samples_images(config, tmp_path):
-    cli = main(["fit", *tiny_args(tmp_path, config, "f"), "--trainer.max_steps", "1", "--trainer.max_epochs", "1",
-                "--trainer.limit_val_batches", "1"])
+def test_two_steps_log_the_recorded_losses_and_the_checkpoint_rebuilds_the_module_and_samples_images(config,
+                                                                                                   tmp_path):
+    cli = main(["fit", *tiny_args(tmp_path, config, "f"), *TWO_STEPS])
     assert torch.isfinite(cli.trainer.callback_metrics["train/loss"])
+    # the losses (and DEQ iteration counts) of the config as written out in full before it was composed
+    name = config.relative_to(ROOT).as_posix()
+    assert name in RECORDED_LOSSES, f"{name}: record its first steps with python -m tests.lightning.config_losses"
+    expected = RECORDED_LOSSES[name]
+    logged = logged_training(tmp_path / "f")
+    assert [sorted(row) for row in logged] == [sorted(row) for row in expected]
+    assert logged == [pytest.approx(row, rel=1e-5) for row in expected]
     ckpt = tmp_path / "f" / "checkpoints" / "last.ckpt"
     module = load_module(ckpt)  # the checkpoint alone
     assert isinstance(module, ScoreModule) and type(module) is type(cli.model)

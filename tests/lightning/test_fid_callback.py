@@ -3,6 +3,8 @@ averaged model's seeded samples against the cached training-set statistics, reco
 best-FID checkpoint, the grid, fid.json and the usage errors."""
 
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ from deqscore.metrics import kernel_inception_distance
 from deqscore.metrics.inception import InceptionFeatures
 from deqscore.metrics.reference import image_stats, load_stats, stats_file
 from deqscore.metrics.statistics import frechet_distance
+from tests.test_layering import FLOORS, PACKAGE
 
 from .conftest import tiny_args
 
@@ -143,3 +146,44 @@ def test_fid_without_training_images_or_statistics_names_the_missing_files(tmp_p
     with pytest.raises(SystemExit):
         FIDJob.prepare(args, SimpleNamespace(data_source=None), torch.device("cpu"))
     assert "records no training images" in capsys.readouterr().err
+
+
+def _climbs_back(argv: list[str]) -> set[tuple[str, str]]:
+    """Run sample.py with ``argv`` and list every call from a lower floor of the package back up into the
+    command-line floor, where the arguments are read (a function of the script handed down and called back), as
+    (caller, callee). A sampler calling the score network it was given is the model's business, not the
+    arguments' walk, and is not counted."""
+    def place(code):
+        try:
+            parts = Path(code.co_filename).resolve().relative_to(PACKAGE).parts
+        except ValueError:
+            return None
+        return FLOORS.get(parts[0].removesuffix(".py")), f"{'/'.join(parts)}:{code.co_name}"
+
+    climbs = set()
+
+    def profile(frame, event, arg):
+        if event != "call" or (callee := place(frame.f_code)) is None or callee[0] != FLOORS["cli"]:
+            return
+        caller = frame.f_back
+        while caller is not None and place(caller.f_code) is None:  # through torch's and the library's frames
+            caller = caller.f_back
+        if caller is not None and place(caller.f_code)[0] < callee[0]:
+            climbs.add((place(caller.f_code)[1], callee[1]))
+
+    sys.setprofile(profile)
+    try:
+        sample.main(argv)
+    finally:
+        sys.setprofile(None)
+    return climbs
+
+
+def test_the_sample_scripts_walk_climbs_back_at_most_twice(fid_run, tmp_path):
+    """sample.py --fid goes straight down the floors but for the two functions it hands down: the FID's observer of
+    each drawn batch (to the sample stream) and the draw the memory probe measures."""
+    climbs = _climbs_back(["--checkpoint", str(fid_run / "r" / "checkpoints" / "last.ckpt"), "--num-samples", "8",
+                           "--batch-size", "4", "--out", str(tmp_path / "s"), "--fid", "--stats-root",
+                           str(fid_run / "stats"), "--reference-images", str(REFERENCE)])
+    assert climbs == {("sampling/stream.py:_draw", "cli/fid_job.py:observed"),
+                      ("metrics/memory.py:peak_tensor_bytes", "cli/sample.py:<lambda>")}
