@@ -20,6 +20,7 @@ import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..configfiles import is_base
 
@@ -31,6 +32,8 @@ ROLES = ("shallow", "deep", "deq", "reference")
 
 # (config as loaded from YAML, a folder of fake on-disk images for data sets not stored offline) -> overrides
 Tiny = Callable[[dict, Callable[[], Path]], list[str]]
+# a DEQ factory -> (a tiny float64 model of the family built with it, its loss as a closure)
+Probe = Callable[[Callable], tuple[Any, Callable[[], Any]]]
 
 # option pieces the declarations share
 NET = "--model.init_args.net.init_args"
@@ -114,6 +117,9 @@ class Declaration:
     depth: dict[str, Depth] = field(default_factory=dict)
     study: Study | None = None
     extra_configs: tuple[str, ...] = ()  # configs of the family outside its folder (the demo)
+    #: the family's DEQ under its own loss, tiny: tests/deq/test_family_phantom.py checks its phantom gradients
+    #: against the damped steps written out by hand (required of a family with a DEQ config)
+    phantom_probe: Probe | None = None
 
     @property
     def config_dir(self) -> Path:

@@ -17,12 +17,27 @@ def tiny(config: dict, images) -> list[str]:
     return args
 
 
+def phantom_probe(deq):
+    import torch
+
+    from ..lightning.dkef import DKEFModule
+    from ..models import DKEF
+
+    net = DKEF(dim=2, n_centres=4, hidden=4, feature_net="deq", deq=deq, bandwidth_init="fixed").double()
+    x = torch.randn(12, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    # centres away from the data: at a data point equal to a centre the kernel's clamped squared distance has a kink
+    net.init_centres(torch.randn(8, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(2)))
+    module = DKEFModule(net, loss="ssm_vr").train()  # training: alpha solved on one half, the loss on the other
+    return module, lambda: module.compute_loss(x)
+
+
 DECLARATION = Declaration(
     name="dkef",
     module="deqscore.lightning.DKEFModule",
     configs={"shallow": "explicit_shallow.yaml", "deep": "explicit_deep.yaml", "deq": "deq.yaml",
              "reference": "deq_reference.yaml"},
     tiny=tiny,
+    phantom_probe=phantom_probe,
     bench="deqscore.bench.dkef",
     depth={"dkef": Depth(
         "DKEF feature net", "configs/dkef/deq.yaml",

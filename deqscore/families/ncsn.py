@@ -29,11 +29,24 @@ def tiny(config: dict, images) -> list[str]:
     return [*args, *MNIST_SUBSETS]
 
 
+def phantom_probe(deq):
+    import torch
+
+    from ..lightning.ncsn import NCSNModule
+    from ..models import NCSN
+
+    net = NCSN(dim=16, channels=1, ngf=4, body="deq", deq=deq)
+    module = NCSNModule(net, loss="annealed_ssm_vr", sigma_max=1.0, sigma_min=0.1, n_levels=3).double()
+    x = torch.rand(3, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    return module, lambda: module.compute_loss(x)
+
+
 DECLARATION = Declaration(
     name="ncsn",
     module="deqscore.lightning.NCSNModule",
     configs={"shallow": "explicit_mnist.yaml", "deep": "ncsnv2_mnist.yaml", "deq": "deq_mnist.yaml"},
     tiny=tiny,
+    phantom_probe=phantom_probe,
     bench="deqscore.bench.ncsn",
     depth={"ncsn": Depth(
         "NCSN body (MNIST)", "configs/ncsn/deq_mnist.yaml",

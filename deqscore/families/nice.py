@@ -23,6 +23,17 @@ def tiny(config: dict, images) -> list[str]:
     return args
 
 
+def phantom_probe(deq):
+    import torch
+
+    from ..lightning.nice import NICEModule
+    from ..models import NICE
+
+    module = NICEModule(NICE(dim=4, n_couplings=2, m_net="deq", hidden=5, deq=deq), loss="ssm").double()
+    x = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    return module, lambda: module.compute_loss(x)
+
+
 DECLARATION = Declaration(
     name="nice",
     module="deqscore.lightning.NICEModule",
@@ -30,6 +41,7 @@ DECLARATION = Declaration(
              "reference": "deq_reference.yaml"},
     extra_configs=("configs/demo.yaml",),
     tiny=tiny,
+    phantom_probe=phantom_probe,
     bench="deqscore.bench.nice",
     depth={"nice": Depth(
         "NICE m-net", "configs/nice/deq.yaml",

@@ -33,11 +33,22 @@ def tiny(config: dict, images) -> list[str]:
     return args
 
 
+def phantom_probe(deq):
+    import torch
+
+    from ..models import ImplicitVAE
+
+    net = ImplicitVAE(dim=6, z_dim=2, eps_dim=2, hidden=5, score="deq", deq=deq).double()
+    x = torch.bernoulli(torch.full((5, 6), 0.4, dtype=torch.float64), generator=torch.Generator().manual_seed(1))
+    return net, lambda: net.score_loss(x).mean()  # SSM-VR of the score network s(x, .)
+
+
 DECLARATION = Declaration(
     name="vae",
     module="deqscore.lightning.VAEModule",
     configs={"shallow": "explicit_mnist.yaml", "deep": "explicit_deep_mnist.yaml", "deq": "deq_mnist.yaml"},
     tiny=tiny,
+    phantom_probe=phantom_probe,
     bench="deqscore.bench.vae",
     depth={
         "vae_mlp": Depth(

@@ -39,7 +39,10 @@ undone by ``enable_grad``), which the CLI sets.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import inspect
+import pkgutil
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
@@ -71,8 +74,16 @@ class CheckpointFamilyError(ValueError):
 
 
 def family_registry() -> dict[str, type[ScoreModule]]:
-    """Model family name -> LightningModule class."""
+    """Model family name -> LightningModule class: a family registers itself when its module file is imported, and
+    every module file of this package is imported here first, so a new family's file needs no import elsewhere."""
+    _import_package_modules()
     return dict(_FAMILIES)
+
+
+@functools.cache
+def _import_package_modules() -> None:
+    for info in pkgutil.iter_modules(importlib.import_module(__package__).__path__):
+        importlib.import_module(f"{__package__}.{info.name}")
 
 
 def _plain(value: Any) -> bool:

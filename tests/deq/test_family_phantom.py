@@ -1,7 +1,8 @@
-"""Every family's score network through its DEQ, under its own loss: with ``backward="phantom"`` the parameter
-gradient of the loss equals that of the same loss with the DEQ replaced by the K damped steps written out by hand
-from the frozen (detached) fixed point. Float64, tiny sizes; the losses differentiate twice through the layer
-(score matching), so second derivatives of the phantom steps are compared too."""
+"""Every family's score network through its DEQ, under its own loss (its declaration's ``phantom_probe``): with
+``backward="phantom"`` the parameter gradient of the loss equals that of the same loss with the DEQ replaced by the
+K damped steps written out by hand from the frozen (detached) fixed point. Float64, tiny sizes; the losses
+differentiate twice through the layer (score matching), so second derivatives of the phantom steps are compared
+too."""
 
 import functools
 
@@ -10,8 +11,7 @@ import torch
 from torch import nn
 
 from deqscore.deq import DEQ
-from deqscore.lightning import DKEFModule, NCSNModule, NICEModule
-from deqscore.models import DKEF, NCSN, NICE, ImplicitVAE
+from deqscore.families import declarations
 
 K, LAM = 3, 0.6
 
@@ -44,35 +44,8 @@ PHANTOM = functools.partial(DEQ, backward="phantom", phantom_steps=K, phantom_da
                             tol=1e-13, max_iter=500, warn_on_nonconvergence=False)
 
 
-def _nice(deq):
-    module = NICEModule(NICE(dim=4, n_couplings=2, m_net="deq", hidden=5, deq=deq), loss="ssm").double()
-    x = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    return module, lambda: module.compute_loss(x)
-
-
-def _dkef(deq):
-    net = DKEF(dim=2, n_centres=4, hidden=4, feature_net="deq", deq=deq, bandwidth_init="fixed").double()
-    x = torch.randn(12, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    # centres away from the data: at a data point equal to a centre the kernel's clamped squared distance has a kink
-    net.init_centres(torch.randn(8, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(2)))
-    module = DKEFModule(net, loss="ssm_vr").train()  # training: alpha solved on one half, the loss on the other
-    return module, lambda: module.compute_loss(x)
-
-
-def _vae(deq):
-    net = ImplicitVAE(dim=6, z_dim=2, eps_dim=2, hidden=5, score="deq", deq=deq).double()
-    x = torch.bernoulli(torch.full((5, 6), 0.4, dtype=torch.float64), generator=torch.Generator().manual_seed(1))
-    return net, lambda: net.score_loss(x).mean()  # SSM-VR of the score network s(x, .)
-
-
-def _ncsn(deq):
-    net = NCSN(dim=16, channels=1, ngf=4, body="deq", deq=deq)
-    module = NCSNModule(net, loss="annealed_ssm_vr", sigma_max=1.0, sigma_min=0.1, n_levels=3).double()
-    x = torch.rand(3, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    return module, lambda: module.compute_loss(x)
-
-
-FAMILIES = {"nice": _nice, "dkef": _dkef, "vae": _vae, "ncsn": _ncsn}
+#: family -> its declaration's phantom probe (deqscore/families)
+FAMILIES = {name: d.phantom_probe for name, d in declarations().items() if d.phantom_probe}
 
 
 def _loss_gradients(build, deq, state=None):
