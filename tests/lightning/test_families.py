@@ -50,7 +50,7 @@ def test_every_config_parses_and_instantiates(config, tmp_path):
         assert cli.datamodule.transform == "pixels" and cli.model.net.image_shape == cli.datamodule.image_shape
         assert any(type(c).__name__ == "EMAWeightAveraging" for c in cli.trainer.callbacks)
     raw_config = load_config(config)
-    if "optimizer" not in raw_config:  # a family with its own optimisers (the VAE's two) declares them itself
+    if raw_config.get("optimizer") is None:  # a family with its own optimisers (the VAE's two) declares them itself
         optimizer = raw_config["model"]["init_args"]["ae_optimizer"]
         opt = model.configure_optimizers()[0]
         assert type(opt).__name__ == optimizer["class_path"].rsplit(".", 1)[-1]
@@ -96,7 +96,8 @@ def test_two_steps_log_the_recorded_losses_and_the_checkpoint_rebuilds_the_modul
     expected = RECORDED_LOSSES[name]
     logged = logged_training(tmp_path / "f")
     assert [sorted(row) for row in logged] == [sorted(row) for row in expected]
-    assert logged == [pytest.approx(row, rel=1e-5) for row in expected]
+    # bit-identical on one machine; 1e-4 leaves room for another CPU's sums, and a changed option moves them more
+    assert logged == [pytest.approx(row, rel=1e-4) for row in expected]
     ckpt = tmp_path / "f" / "checkpoints" / "last.ckpt"
     module = load_module(ckpt)  # the checkpoint alone
     assert isinstance(module, ScoreModule) and type(module) is type(cli.model)
