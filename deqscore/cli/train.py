@@ -30,7 +30,7 @@ from pytorch_lightning.utilities import rank_zero_info
 from ..configfiles import ConfigFileError, composed_text, composes
 from ..data.errors import CorruptDataError, DataNotFoundError
 from ..errors import ConfigError
-from ..lightning.base import NonFiniteLossError, ScoreModule
+from ..lightning.base import NonFiniteLossError, ScoreModule, family_registry
 from ..lightning.callbacks import PREEMPTED_STATUS, ConfiguredOptimizerOptions, Preempted, SaveOnInterrupt
 from ..lightning.runs import (
     RUN_ID_KEY,
@@ -372,7 +372,8 @@ def _chain(err: BaseException) -> list[BaseException]:
 
 def main(args: list[str] | None = None) -> DeqscoreCLI:
     """Entry point of ``train.py``."""
-    return DeqscoreCLI(args=args)  # the families are registered by importing deqscore.lightning
+    family_registry()  # every family imported: a short class name (--model NICEModule) finds its class
+    return DeqscoreCLI(args=args)
 
 
 def run(args: list[str] | None = None) -> int:
