@@ -251,10 +251,7 @@ class ScoreModule(pl.LightningModule):
             checks.add(torch.isfinite(loss).all(), f"{stage} loss")
             return
         if not torch.isfinite(loss):
-            raise NonFiniteLossError(
-                f"non-finite {stage} loss ({loss.item()}) at global step {self.global_step}, epoch "
-                f"{self.current_epoch}: training stopped before the update, last good checkpoint kept"
-            )
+            raise NonFiniteLossError(self._non_finite_message({0: [f"{stage} loss ({loss.item()})"]}))
 
     def log_stage(self, stage: str, values: dict[str, Any], batch_size: int) -> None:
         """Log ``values`` under ``<stage>/``: per step in training, per epoch (synced across processes) else."""
@@ -323,11 +320,8 @@ class ScoreModule(pl.LightningModule):
             return
         finite = torch.stack([torch.isfinite(g).all() for _, g in named]) if named else torch.ones(0, dtype=bool)
         if not bool(finite.all()):  # one device sync per step
-            bad = [name for (name, _), ok in zip(named, finite.tolist(), strict=True) if not ok]
-            raise NonFiniteLossError(
-                f"non-finite gradient of {bad} at global step {self.global_step}: training stopped before the "
-                "update, last good checkpoint kept"
-            )
+            bad = [f"gradient of {name}" for (name, _), ok in zip(named, finite.tolist(), strict=True) if not ok]
+            raise NonFiniteLossError(self._non_finite_message({0: bad}))
 
     @property
     def _several_processes(self) -> bool:
@@ -378,7 +372,8 @@ class ScoreModule(pl.LightningModule):
             next(d for d, p in pending if p).report_deferred(dict(total))
 
     def _non_finite_message(self, bad: dict[int, list[str]]) -> str:
-        """One line: what was non-finite (on which ranks, with several processes), and that nothing was updated."""
+        """One line: what was non-finite (on which ranks, with several processes), and that nothing was updated; every
+        non-finite stop is worded here."""
         where = f"at global step {self.global_step}, epoch {self.current_epoch}"
         if not self._several_processes:
             return f"non-finite {', '.join(bad[0])} {where}: training stopped before the update, last good " \
