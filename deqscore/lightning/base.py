@@ -107,6 +107,7 @@ class ScoreModule(pl.LightningModule):
     #: its own result at once, as a plain eager step does
     sync_free_steps: bool = False
     _checks: DeferredChecks | None = None  # the pending checks of the current (sync-free) training step
+    _eval_finite: torch.Tensor | None = None  # with several processes: this evaluation epoch's losses all finite
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -250,8 +251,30 @@ class ScoreModule(pl.LightningModule):
         if checks is not None:
             checks.add(torch.isfinite(loss).all(), f"{stage} loss")
             return
+        if stage != "train" and self._several_processes:  # read on every rank at the epoch's end, see there
+            finite = torch.isfinite(loss).all()
+            self._eval_finite = finite if self._eval_finite is None else self._eval_finite & finite
+            return
         if not torch.isfinite(loss):
             raise NonFiniteLossError(self._non_finite_message({0: [f"{stage} loss ({loss.item()})"]}))
+
+    def on_validation_epoch_end(self) -> None:
+        self._stop_on_a_non_finite_evaluation("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._stop_on_a_non_finite_evaluation("test")
+
+    def _stop_on_a_non_finite_evaluation(self, stage: str) -> None:
+        """With several processes, every rank reads the epoch's loss checks here, together: a rank that raised alone
+        in its step would leave the others in the epoch's metric sync. All stop, before any checkpoint of it."""
+        if not self._several_processes:
+            return
+        finite = self._eval_finite if self._eval_finite is not None else torch.ones((), dtype=torch.bool)
+        self._eval_finite = None
+        flags = self._on_every_rank(finite.reshape(1).to(self.device, torch.float32))[:, 0].tolist()
+        bad = {rank: [f"{stage} loss"] for rank, ok in enumerate(flags) if not ok}
+        if bad:
+            raise NonFiniteLossError(self._non_finite_message(bad))
 
     def log_stage(self, stage: str, values: dict[str, Any], batch_size: int) -> None:
         """Log ``values`` under ``<stage>/``: per step in training, per epoch (synced across processes) else."""

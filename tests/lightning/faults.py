@@ -27,3 +27,14 @@ class StuckOnRankOne(NICEModule):
         if self.training and self.global_rank == 1 and self.global_step == 1:
             time.sleep(STUCK_S)
         return super().loss_terms(x)
+
+
+class NonFiniteValidationOnRankOne(NICEModule):
+    """A NICE module whose validation loss is NaN on global rank 1 after the first training step (the sanity check
+    before training passes), and finite everywhere else."""
+
+    def loss_terms(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        terms = super().loss_terms(x)
+        if not self.training and self.global_rank == 1 and self.global_step >= 1:
+            terms["loss"] = terms["loss"] * math.nan
+        return terms

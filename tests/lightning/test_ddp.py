@@ -180,6 +180,20 @@ def test_a_non_finite_loss_on_one_rank_stops_every_rank_before_the_update(tmp_pa
 DDP_CPU = ["--trainer.devices", "2", "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu"]
 
 
+def test_a_non_finite_validation_loss_on_one_rank_stops_every_rank_at_the_epochs_end(tmp_path):
+    """Rank 1's validation loss is NaN (tests/lightning/faults.py): the ranks read the check together at the end of
+    the validation epoch, so both stop there, none waits for the other until the process group's timeout (set
+    longer than this test waits), and rank 0 prints one line naming rank 1; no checkpoint of that validation."""
+    args = ["train.py", "fit", *tiny_args(tmp_path, "configs/nice/explicit.yaml", "valnan"), "--model.class_path",
+            "tests.lightning.faults.NonFiniteValidationOnRankOne", "--trainer.max_steps", "6", *DDP_CPU,
+            "--process_group_timeout", str(10 * TIMEOUT_S)]
+    proc = _run(args, returncode=1)
+    errors = _errors(proc.stderr)
+    assert len(errors) == 1 and "rank 1: val loss" in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not list((tmp_path / "valnan" / "checkpoints").glob("*.ckpt"))  # the epoch's NaN validation saved nothing
+
+
 def _start(args):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
