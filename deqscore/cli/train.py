@@ -31,7 +31,7 @@ from ..configfiles import ConfigFileError, composed_text, composes
 from ..data.errors import CorruptDataError, DataNotFoundError
 from ..errors import ConfigError
 from ..lightning.base import NonFiniteLossError, ScoreModule, family_registry
-from ..lightning.callbacks import PREEMPTED_STATUS, ConfiguredOptimizerOptions, Preempted, SaveOnInterrupt
+from ..lightning.callbacks import ConfiguredOptimizerOptions, Preempted, SaveOnInterrupt
 from ..lightning.runs import (
     RUN_ID_KEY,
     AtomicCheckpointIO,
@@ -383,9 +383,11 @@ def run(args: list[str] | None = None) -> int:
     except UsageError as err:
         return err.code
     except Preempted as err:  # the state is saved (SaveOnInterrupt said where)
-        print_error(f"preempted by {signal.Signals(err.signum).name}: the run's state is in its "
-                    "checkpoints/interrupted.ckpt; resume with --ckpt_path <run>/checkpoints/interrupted.ckpt")
-        return PREEMPTED_STATUS
+        name = signal.Signals(err.signum).name
+        how = "interrupted by Ctrl-C" if err.signum == signal.SIGINT else f"preempted by {name}"
+        print_error(f"{how}: the run's state is in its checkpoints/interrupted.ckpt; resume with --ckpt_path "
+                    "<run>/checkpoints/interrupted.ckpt")
+        return err.code
     except USAGE_ERRORS as err:  # found after parsing: no optimizer, no data
         print_error(str(err))
         return 2

@@ -123,13 +123,14 @@ def plot_learning_curves(csv_path: str | Path, out: str | Path, metrics: tuple[s
 
 
 PREEMPTED_STATUS = 128 + signal.SIGTERM  # the exit status of a run stopped by SIGTERM or SIGUSR1, its state saved
+INTERRUPTED_STATUS = 128 + signal.SIGINT  # the exit status of a run stopped by Ctrl-C, its state saved
 
 
 class Preempted(SystemExit):
-    """Training stopped by SIGTERM or SIGUSR1, its state saved (:class:`SaveOnInterrupt`)."""
+    """Training stopped by SIGTERM, SIGUSR1 or Ctrl-C, its state saved (:class:`SaveOnInterrupt`)."""
 
     def __init__(self, signum: int):
-        super().__init__(PREEMPTED_STATUS)
+        super().__init__(INTERRUPTED_STATUS if signum == signal.SIGINT else PREEMPTED_STATUS)
         self.signum = signum
 
 
@@ -141,7 +142,9 @@ class SaveOnInterrupt(pl.Callback):
     ``--ckpt_path``; ``last.ckpt`` keeps the last regular checkpoint).
 
     Preemption is SIGTERM (a scheduler's stop) or SIGUSR1 (SLURM's warning before the time limit,
-    ``--signal=SIGUSR1@90``), taken over while training runs: the signal is noted, the batch under way finishes,
+    ``--signal=SIGUSR1@90``); Ctrl-C (SIGINT) is taken the same way, and a second Ctrl-C stops at once (its state
+    saved where the interrupt lands, which resumes off by one step). Each is taken over while training runs: the
+    signal is noted, the batch under way finishes,
     its state is saved at its end (at an epoch's last batch: at the epoch's end), and the fit stops before the next
     batch (after that batch's log row). Those are where Lightning's own checkpoints are taken, so the resume
     continues exactly (the training loader is resumable within an epoch,
@@ -157,10 +160,14 @@ class SaveOnInterrupt(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
-            self._previous = {s: signal.signal(s, self._note) for s in PREEMPTION_SIGNALS}
+            self._previous = {s: signal.signal(s, self._note) for s in (*PREEMPTION_SIGNALS, signal.SIGINT)}
 
     def _note(self, signum: int, frame: object) -> None:
+        if signum == signal.SIGINT and self._signalled == signal.SIGINT:
+            raise KeyboardInterrupt  # Ctrl-C again: now
         self._signalled = signum
+        if signum == signal.SIGINT:
+            rank_zero_info("Ctrl-C: the batch under way finishes and its state is saved (Ctrl-C again: stop now)")
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: object, batch: object,
                            batch_idx: int) -> None:
