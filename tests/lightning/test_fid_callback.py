@@ -182,8 +182,8 @@ def _climbs_back(argv: list[str]) -> set[tuple[str, str]]:
 def test_the_sample_scripts_walk_climbs_back_at_most_twice(fid_run, tmp_path):
     """sample.py --fid goes straight down the floors but for the two functions it hands down: the FID's observer of
     each drawn batch (to the sample stream) and the draw the memory probe measures."""
-    climbs = _climbs_back(["--checkpoint", str(fid_run / "r" / "checkpoints" / "last.ckpt"), "--num-samples", "8",
-                           "--batch-size", "4", "--out", str(tmp_path / "s"), "--fid", "--stats-root",
+    climbs = _climbs_back(["--checkpoint", str(fid_run / "r" / "checkpoints" / "last.ckpt"), "--num-samples", "4",
+                           "--batch-size", "3", "--out", str(tmp_path / "s"), "--fid", "--stats-root",
                            str(fid_run / "stats"), "--reference-images", str(REFERENCE)])
     assert climbs == {("sampling/stream.py:_draw", "cli/fid_job.py:observed"),
                       ("metrics/memory.py:peak_tensor_bytes", "cli/sample.py:<lambda>")}
