@@ -67,10 +67,15 @@ def load_config(path: str | Path) -> dict[str, Any]:
     """The options of the config at ``path`` with its bases composed in and its named callbacks listed (see the
     module docstring)."""
     config = composed(path)
-    callbacks = (config.get("trainer") or {}).get("callbacks")
-    if isinstance(callbacks, dict):
-        config["trainer"]["callbacks"] = [c for c in callbacks.values() if c is not None]
+    if named_callbacks(config):
+        config["trainer"]["callbacks"] = [c for c in config["trainer"]["callbacks"].values() if c is not None]
     return config
+
+
+def named_callbacks(config: dict[str, Any]) -> bool:
+    """Whether ``config`` writes the trainer's callbacks as a mapping of names."""
+    trainer = config.get("trainer")
+    return isinstance(trainer, dict) and isinstance(trainer.get("callbacks"), dict)
 
 
 def composed(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
@@ -98,7 +103,7 @@ def base_options(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, An
 def composes(path: str | Path) -> bool:
     """Whether the config at ``path`` needs composing: it names a base or names its callbacks."""
     content = read_mapping(path)
-    return BASE_KEY in content or isinstance((content.get("trainer") or {}).get("callbacks"), dict)
+    return BASE_KEY in content or named_callbacks(content)
 
 
 def composed_text(path: str | Path) -> str:
