@@ -30,8 +30,9 @@ from pytorch_lightning.utilities import rank_zero_info
 from ..configfiles import ConfigFileError, composed_text, composes
 from ..data.errors import CorruptDataError, DataNotFoundError
 from ..errors import ConfigError
-from ..lightning.base import NonFiniteLossError, ScoreModule, family_registry
+from ..lightning.base import ScoreModule, family_registry
 from ..lightning.callbacks import ConfiguredOptimizerOptions, Preempted, SaveOnInterrupt
+from ..lightning.nonfinite import NonFiniteLossError
 from ..lightning.runs import (
     RUN_ID_KEY,
     AtomicCheckpointIO,

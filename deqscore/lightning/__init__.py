@@ -1,12 +1,13 @@
 """Lightning layer: one LightningModule per model family around a plain network, callbacks and the CLI."""
 
-from .base import CheckpointFamilyError, NonFiniteLossError, ScoreModule, family_registry
+from .base import CheckpointFamilyError, ScoreModule, family_registry
 from .callbacks import LearningCurves, SampleGrid
 from .checkpoint import build_module, load_module
 from .dkef import DKEFModule
 from .fid import FIDCallback
 from .ncsn import NCSN_LOSSES, NCSNModule
 from .nice import NICE_LOSSES, NICEModule
+from .nonfinite import NonFiniteLossError
 from .vae import VAEModule
 
 __all__ = [
