@@ -153,12 +153,14 @@ def _climbs_back(argv: list[str]) -> set[tuple[str, str]]:
     command-line floor, where the arguments are read (a function of the script handed down and called back), as
     (caller, callee). A sampler calling the score network it was given is the model's business, not the
     arguments' walk, and is not counted."""
+
     def place(code):
         try:
             parts = Path(code.co_filename).resolve().relative_to(PACKAGE).parts
         except ValueError:
             return None
-        return FLOORS.get(parts[0].removesuffix(".py")), f"{'/'.join(parts)}:{code.co_name}"
+        floor = FLOORS.get(parts[0].removesuffix(".py"))  # None: the package's own __init__
+        return None if floor is None else (floor, f"{'/'.join(parts)}:{code.co_name}")
 
     climbs = set()
 
