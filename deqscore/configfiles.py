@@ -81,22 +81,23 @@ def named_callbacks(config: dict[str, Any]) -> bool:
 def composed(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """The options of the config at ``path`` with its bases composed in, named callbacks still a mapping."""
     content = read_mapping(path)
-    content.pop(BASE_KEY, None)
-    return merged(base_options(path, _seen), content)
+    return merged(_merged_bases(Path(path), content.pop(BASE_KEY, []), _seen), content)
 
 
-def base_options(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+def base_options(path: str | Path) -> dict[str, Any]:
     """What the config at ``path`` composes on: its bases, each composed, merged in order (empty without a base)."""
-    path = Path(path)
-    if path.resolve() in _seen:
-        raise ConfigFileError(f"{path}: its bases name it again ({' -> '.join(str(p) for p in _seen)})")
-    bases = read_mapping(path).get(BASE_KEY, [])
+    return _merged_bases(Path(path), read_mapping(path).get(BASE_KEY, []), ())
+
+
+def _merged_bases(path: Path, bases: str | list[str], seen: tuple[Path, ...]) -> dict[str, Any]:
+    if path.resolve() in seen:
+        raise ConfigFileError(f"{path}: its bases name it again ({' -> '.join(str(p) for p in seen)})")
     out: dict[str, Any] = {}
     for base in [bases] if isinstance(bases, str) else bases:
         base_path = path.parent / base
         if not base_path.is_file():
             raise ConfigFileError(f"{path}: its base {base} is not a file ({base_path})")
-        out = merged(out, composed(base_path, (*_seen, path.resolve())))
+        out = merged(out, composed(base_path, (*seen, path.resolve())))
     return out
 
 
