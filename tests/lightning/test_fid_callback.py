@@ -2,6 +2,7 @@
 averaged model's seeded samples against the cached training-set statistics, recomputed independently here; the
 best-FID checkpoint, the grid, fid.json and the usage errors."""
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -154,6 +155,7 @@ def _climbs_back(argv: list[str]) -> set[tuple[str, str]]:
     (caller, callee). A sampler calling the score network it was given is the model's business, not the
     arguments' walk, and is not counted."""
 
+    @functools.cache  # per code object: the profiler calls this for every Python call of the run
     def place(code):
         try:
             parts = Path(code.co_filename).resolve().relative_to(PACKAGE).parts
@@ -167,11 +169,11 @@ def _climbs_back(argv: list[str]) -> set[tuple[str, str]]:
     def profile(frame, event, arg):
         if event != "call" or (callee := place(frame.f_code)) is None or callee[0] != FLOORS["cli"]:
             return
-        caller = frame.f_back
-        while caller is not None and place(caller.f_code) is None:  # through torch's and the library's frames
+        caller, where = frame.f_back, None
+        while caller is not None and (where := place(caller.f_code)) is None:  # through torch's and the library's
             caller = caller.f_back
-        if caller is not None and place(caller.f_code)[0] < callee[0]:
-            climbs.add((place(caller.f_code)[1], callee[1]))
+        if where is not None and where[0] < callee[0]:
+            climbs.add((where[1], callee[1]))
 
     sys.setprofile(profile)
     try:
