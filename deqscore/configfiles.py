@@ -68,7 +68,12 @@ def load_config(path: str | Path) -> dict[str, Any]:
     module docstring)."""
     config = composed(path)
     if named_callbacks(config):
-        config["trainer"]["callbacks"] = [c for c in config["trainer"]["callbacks"].values() if c is not None]
+        callbacks = {name: c for name, c in config["trainer"]["callbacks"].items() if c is not None}
+        for name, callback in callbacks.items():
+            if not isinstance(callback, dict) or "class_path" not in callback:  # a misspelt name of a base's
+                raise ConfigFileError(f"{path}: trainer.callbacks.{name} names no class_path; the callbacks with one "
+                                      f"here: {', '.join(n for n in callbacks if n != name) or 'none'}")
+        config["trainer"]["callbacks"] = list(callbacks.values())
     return config
 
 

@@ -43,6 +43,9 @@ def test_named_callbacks_compose_by_name_and_become_the_trainers_list(tmp_path):
     ({"run.yaml": {"base": "_missing.yaml"}}, "its base _missing.yaml is not a file"),
     ({"run.yaml": {"base": "_a.yaml"}, "_a.yaml": {"base": "run.yaml"}}, "its bases name it again"),
     ({"run.yaml": {"base": "_a.yaml"}, "_a.yaml": ["not", "a", "mapping"]}, "the file is a YAML list"),
+    ({"run.yaml": {"base": "_a.yaml", "trainer": {"callbacks": {"chekpoint": {"init_args": {"monitor": "x"}}}}},
+      "_a.yaml": {"trainer": {"callbacks": {"checkpoint": {"class_path": "M"}}}}},
+     "trainer.callbacks.chekpoint names no class_path; the callbacks with one here: checkpoint"),
 ])
 def test_a_base_that_cannot_be_composed_is_one_line_naming_the_file(tmp_path, capsys, files, message):
     for name, content in files.items():
