@@ -377,3 +377,26 @@ def test_one_benchmark_program_runs_every_other_by_name(program, monkeypatch):
     module = importlib.import_module(runner.PROGRAMS[program])
     monkeypatch.setattr(module, "main", lambda argv: ("ran", argv))
     assert runner.main([program, "--report-only", "x"]) == ("ran", ["--report-only", "x"])
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--no-such-option"], "python -m deqscore.bench: error: unrecognized arguments: --no-such-option"),
+    (["--sections", "solvers,bogus"], "python -m deqscore.bench: error: --sections: unknown sections ['bogus']"),
+    (["--repeats", "x"], "python -m deqscore.bench: error: argument --repeats: invalid int value: 'x'"),
+    *[([program, "--no-such-option"], f"python -m deqscore.bench {program}: error: unrecognized arguments")
+      for program in ("study", "deq_vs_ffn", "kernels", "sync")],
+])
+def test_every_benchmark_programs_usage_error_is_one_line_naming_it(argv, words, capsys, tmp_path):
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert info.value.code == 2 and err.startswith(words) and err.count("\n") == 1, err
+    assert "usage:" not in err and "Traceback" not in err and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
+def test_asking_the_benchmark_for_cuda_without_one_is_a_usage_error(capsys, tmp_path):
+    with pytest.raises(SystemExit) as info:
+        main(["--device", "cuda", "--quick", "--out", str(tmp_path)])
+    assert info.value.code == 2 and capsys.readouterr().err == (
+        "python -m deqscore.bench: error: --device cuda asked for, but CUDA is not available\n")

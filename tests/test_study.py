@@ -3,6 +3,7 @@ and scored, a recorded unit is not run again, and the page is written from the u
 
 import json
 import math
+import shutil
 
 import pytest
 
@@ -247,3 +248,16 @@ def test_ncsn_samples_from_the_weights_its_evaluation_names(tmp_path, monkeypatc
     ncsn_bench.evaluate(run, run / "last.ckpt", FAMILIES["ncsn"].variants["deq"], 0, evaluation)
     assert ("--raw-weights" in passed) == raw
     assert PROTOCOL.family("ncsn")["evaluation"]["weights"] == "averaged"
+
+
+def test_the_committed_results_page_is_what_the_report_writes(tmp_path, monkeypatch):
+    """docs/results.md is generated: a change to the report, the protocol or the units that is not written out fails."""
+    from deqscore.bench.study import report
+
+    for name in ("results/study", "results/depth", "protocol"):  # a copy: the report writes figures beside the units
+        shutil.copytree(core.ROOT / "benchmarks" / name, tmp_path / "benchmarks" / name)
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    copied = protocol.load(tmp_path / PROTOCOL.path.relative_to(core.ROOT))
+    text = report.write_page(tmp_path / "benchmarks" / "results" / "study", tmp_path / "docs" / "results.md",
+                             list(FAMILIES.values()), copied)
+    assert text == (core.ROOT / "docs" / "results.md").read_text()

@@ -2,8 +2,8 @@
 
 Run::
 
-    python -m deqscore.bench.kernels                                # n_train 1000, 2000, 5000; 2000 test images
-    python -m deqscore.bench.kernels --n-train 200 --n-test 100 --depths 1,4 --out /tmp/k   # a smoke run
+    python -m deqscore.bench kernels                                # n_train 1000, 2000, 5000; 2000 test images
+    python -m deqscore.bench kernels --n-train 200 --n-test 100 --depths 1,4 --out /tmp/k   # a smoke run
 
 Images are flattened, centred by the training mean and scaled to unit norm (the kernels' inputs). Targets are
 one-hot minus 0.1; the prediction is ``K(test, train) (K(train, train) + ridge n I)^-1 Y`` with ``--ridge``
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..cli.errors import OneLineParser
 from ..kernels import deq_nngp, deq_ntk, finite_depth_kernels
 from ..sampling import pyplot
 from .measure import environment, log
@@ -164,7 +165,8 @@ def write(rows: list[dict], args: argparse.Namespace, env: dict) -> dict:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="python -m deqscore.bench kernels", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", default="mnist", choices=["mnist"],
                         help="mnist (CIFAR-10 is not stored locally)")
     parser.add_argument("--n-train", default="1000,2000,5000", help="comma-separated training-subset sizes")

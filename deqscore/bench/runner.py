@@ -11,11 +11,14 @@ from pathlib import Path
 
 import torch
 
+from ..cli.errors import OneLineParser, usage_error
 from .measure import environment, log
 from .report import Table, write_reports
 from .sections import section_funcs
 from .settings import DEFAULT_OUT, Settings, get_settings
 from .targets import targets
+
+PROG = "python -m deqscore.bench"
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -91,8 +94,8 @@ def _run_sections(settings: Settings, dev: torch.device, out_dir: Path, names: l
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m deqscore.bench", description=importlib.import_module(__package__).__doc__,
+    parser = OneLineParser(
+        prog=PROG, description=importlib.import_module(__package__).__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--quick", action="store_true", help="small sizes (CI/tests, a few seconds)")
@@ -123,6 +126,11 @@ def main(argv: Sequence[str] | None = None) -> object:
         return importlib.import_module(PROGRAMS[argv[0]]).main(argv[1:])
     args = parse_args(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()] if args.sections else None
+    try:
+        check_sections(sections)
+        resolve_device(args.device)
+    except (ValueError, RuntimeError) as err:  # asked for on the command line: a usage error, not a traceback
+        usage_error(f"--sections: {err}" if isinstance(err, ValueError) else str(err), PROG)
     run(quick=args.quick, device=args.device, out_dir=args.out, sections=sections, repeats=args.repeats,
-        threads=args.threads, command=" ".join(["python -m deqscore.bench", *argv]),
+        threads=args.threads, command=" ".join([PROG, *argv]),
         trained_checkpoint=args.trained_checkpoint)

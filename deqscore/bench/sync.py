@@ -1,4 +1,4 @@
-"""``python -m deqscore.bench.sync``: host synchronisations and step time of training steps, default vs sync-free,
+"""``python -m deqscore.bench sync``: host synchronisations and step time of training steps, default vs sync-free,
 and the accuracy cost of bfloat16 mixed precision through a DEQ.
 
 A host sync is a point where Python waits for the device: ``Tensor.item``, ``tolist``, ``__bool__``,
@@ -22,7 +22,6 @@ GPU figure.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import math
@@ -40,6 +39,8 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+
+from ..cli.errors import OneLineParser
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "sync"
@@ -339,7 +340,7 @@ def nice_run_rows(steps: int, runs_root: str, hidden: int = 64) -> list[dict[str
 
 def _markdown(report: dict[str, Any]) -> str:
     lines = [
-        "# Host syncs per training step and bf16 fidelity (`python -m deqscore.bench.sync`)", "",
+        "# Host syncs per training step and bf16 fidelity (`python -m deqscore.bench sync`)", "",
         f"Device: {report['device']}. torch {report['torch']}, Lightning {report['lightning']}. {report['date']}.", "",
         "## Host syncs and step time, default vs fast configuration", "",
         "| family | configuration | deqscore syncs / step (mean, max) | Lightning syncs / step | other / step "
@@ -399,7 +400,7 @@ SECTIONS = ("syncs", "bf16_gradient", "nice_run")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="python -m deqscore.bench sync", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=12, help="training steps per sync row")
     parser.add_argument("--run-steps", type=int, default=200, help="steps of the short bf16 vs 32-bit NICE run")
     parser.add_argument("--hidden", type=int, default=1000, help="DEQ block width of the bf16 gradient rows")

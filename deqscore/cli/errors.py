@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -15,13 +16,20 @@ class UsageError(SystemExit):
         self.message = message
 
 
-def print_error(message: str) -> None:
-    """``<program>: error: <message>`` on stderr."""
-    prog = Path(sys.argv[0]).name or "train.py"
+def print_error(message: str, prog: str | None = None) -> None:
+    """``<program>: error: <message>`` on stderr (``prog``, or the name of the script that runs)."""
+    prog = prog or Path(sys.argv[0]).name or "train.py"
     sys.stderr.write(f"{prog}: error: {message.rstrip()}\n")
 
 
-def usage_error(message: str) -> NoReturn:
-    """Print ``error: <message>`` to stderr and exit with status 2 (no traceback)."""
-    print_error(message)
+def usage_error(message: str, prog: str | None = None) -> NoReturn:
+    """Print ``<program>: error: <message>`` to stderr and exit with status 2 (no traceback)."""
+    print_error(message, prog)
     raise UsageError(message)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argparse parser that reports a mistake as one line naming its program (no usage block), as train.py does."""
+
+    def error(self, message: str) -> NoReturn:
+        usage_error(message, self.prog)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
@@ -36,15 +36,8 @@ from ..errors import ConfigError
 from ..lightning import CheckpointFamilyError, ScoreModule, load_module
 from ..metrics.memory import peak_tensor_bytes
 from ..sampling.stream import GRID_SIZE, OutputError, check_output_dir, stream_samples
-from .errors import print_error, usage_error
+from .errors import OneLineParser, print_error, usage_error
 from .fid_job import REPORT_NAME, FIDJob, report_matches
-
-
-class Parser(argparse.ArgumentParser):
-    """An argument parser that reports mistakes in one line (no usage block), as train.py does."""
-
-    def error(self, message: str) -> NoReturn:
-        usage_error(message)
 
 
 def positive_int(text: str) -> int:
@@ -58,7 +51,7 @@ def positive_int(text: str) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="path to a .ckpt written by train.py")
     parser.add_argument("--num-samples", type=positive_int, default=64, help="number of samples N")
     parser.add_argument("--out", required=True, help="output directory (created if missing)")

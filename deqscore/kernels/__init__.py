@@ -9,7 +9,7 @@ recursions they are the limit of, and a finite weight-tied DEQ with its empirica
 torch.float64
 
 The formulas and the conditions under which a finite DEQ approaches them are in ``docs/method.md`` (section
-"Infinite-width kernels"); ``python -m deqscore.bench.kernels`` uses them for kernel regression on MNIST.
+"Infinite-width kernels"); ``python -m deqscore.bench kernels`` uses them for kernel regression on MNIST.
 """
 
 from .arccos import check_variances, k0, k1, unit_rows

@@ -2,10 +2,10 @@
 
 Run::
 
-    python -m deqscore.bench.deq_vs_ffn                       # the protocol's runs (resumes; --shard 0/2 and 1/2
+    python -m deqscore.bench deq_vs_ffn                       # the protocol's runs (resumes; --shard 0/2 and 1/2
                                                               # split them between two processes)
-    python -m deqscore.bench.deq_vs_ffn --report-only         # tables from the units on disk
-    python -m deqscore.bench.deq_vs_ffn --steps 20 --seeds 2 --dims 2 --out /tmp/dvf   # a smoke run (off protocol)
+    python -m deqscore.bench deq_vs_ffn --report-only         # tables from the units on disk
+    python -m deqscore.bench deq_vs_ffn --steps 20 --seeds 2 --dims 2 --out /tmp/dvf   # a smoke run (off protocol)
 
 Everything that decides the outcome (the construction, the budget, the networks, the training, the seeds, the rule
 and the predictions) is in the committed protocol ``benchmarks/protocol/deq_vs_ffn/v2.json``; every unit records the
@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ...cli.errors import OneLineParser
 from ...deq import DEQ
 from ...metrics import parameter_count
 from ..measure import environment, log
@@ -265,7 +266,8 @@ def _shard(text: str) -> tuple[int, int]:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     protocol, _ = load_protocol()
     networks = tuple(k for k in protocol["networks"] if k != "deq_width")
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="python -m deqscore.bench deq_vs_ffn", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", type=_list(str, TASKS), default=list(TASKS))
     parser.add_argument("--dims", type=_list(int), default=protocol["construction"]["dims"])
     parser.add_argument("--networks", type=_list(str, networks), default=list(networks))

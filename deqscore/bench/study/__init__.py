@@ -4,9 +4,9 @@ commands, and written up from the recorded results alone.
 
 Run::
 
-    python -m deqscore.bench.study --family dkef --groups redwine   # the protocol's budget, seeds and variants
-    python -m deqscore.bench.study --family nice --variants explicit,deq --seeds 0
-    python -m deqscore.bench.study --report                         # docs/results.md from the unit files
+    python -m deqscore.bench study --family dkef --groups redwine   # the protocol's budget, seeds and variants
+    python -m deqscore.bench study --family nice --variants explicit,deq --seeds 0
+    python -m deqscore.bench study --report                         # docs/results.md from the unit files
 
 The protocol (``benchmarks/protocol/v<N>.json``, the newest by default; :mod:`.protocol`) fixes each family's
 budget, the seeds of each variant, the evaluation sizes and the options every fit shares; ``--budget``,
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ...cli.errors import OneLineParser
 from ..measure import environment
 from .core import Family, UnitSettings, run_unit
 from .families import families
@@ -111,7 +112,8 @@ def units_in_order(groups: list[str], seeds: dict[str, list[int]]) -> list[tuple
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="python -m deqscore.bench study", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", default="", help=f"comma-separated, from {', '.join(families())}, or 'all'")
     parser.add_argument("--protocol", default=None, help="protocol file (default: the newest in benchmarks/protocol)")
     parser.add_argument("--seeds", default=None, help="comma-separated seeds of every variant (default: the "

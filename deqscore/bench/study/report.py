@@ -221,7 +221,7 @@ def family_section(family: Family, units: list[dict], out: Path, page: Path, pro
     """The page's section of one family (figures written under ``out/<family>/``) and its rows of the summary."""
     if not units:
         return [f"## {family.title}", "", f"No runs recorded under protocol v{protocol.version} yet: `python -m "
-                f"deqscore.bench.study --family {family.name}`.", ""], [f"| {family.title} | – | no runs yet |" +
+                f"deqscore.bench study --family {family.name}`.", ""], [f"| {family.title} | – | no runs yet |" +
                                                                         " |" * 9]
     rel = lambda p: relative(p, page)  # noqa: E731
     settings = units[0]["settings"]
@@ -236,7 +236,7 @@ def family_section(family: Family, units: list[dict], out: Path, page: Path, pro
                                                       ", **off-protocol settings** (a trial: not evidence)"),
              f"* **device**: {', '.join(devices)}" + (" (time figures from different CPU models are not "
                                                      "comparable)" if len(devices) > 1 else ""),
-             f"* **command**: `python -m deqscore.bench.study --family {family.name}`",
+             f"* **command**: `python -m deqscore.bench study --family {family.name}`",
              *([f"* **context (not comparable)**: {family.context}"] if family.context else []),
              *([f"* **left out**: {left_out} unit files recorded with other settings"] if left_out else []), ""]
     header = [m.label for m in family.metrics]
@@ -411,7 +411,7 @@ def write_page(out: Path, page: Path, families: list[Family], protocol: Protocol
         sections += section
         rows += family_rows
     lines = ["# Results: the reproduction study", "",
-             "Written by `python -m deqscore.bench.study --report` from the unit files under "
+             "Written by `python -m deqscore.bench study --report` from the unit files under "
              f"`{rel_to_root(out)}/` (one per family, data set, variant and seed); do not edit by hand. Benchmarks of "
              "speed and memory: [benchmarks.md](benchmarks.md).", "",
              "## Summary", "", "Every comparison's non-inferiority verdict at the protocol's margin, the smallest "
