@@ -7,6 +7,7 @@ DataLoader workers and any process see exactly the same data.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import numpy as np
@@ -113,19 +114,18 @@ class PreprocessedImageDataset(Dataset):
 
 class EpochShuffleSampler(torch.utils.data.Sampler[int]):
     """Random permutation of ``range(n)`` drawn from ``seed + epoch``: reproducible per epoch, so resuming
-    mid-training repeats the order an uninterrupted run would use. Lightning calls :meth:`set_epoch`; a resume in
-    the middle of an epoch starts the next iteration ``skip`` indices in (:class:`ResumableLoader`)."""
+    mid-training repeats the order an uninterrupted run would use. Lightning calls :meth:`set_epoch` (under DDP
+    through the sampler that shards it)."""
 
     def __init__(self, n: int, seed: int = 0) -> None:
-        self.n, self.seed, self.epoch, self.skip = n, seed, 0, 0
+        self.n, self.seed, self.epoch = n, seed, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        start, self.skip = self.skip, 0
-        return iter(torch.randperm(self.n, generator=generator)[start:].tolist())
+        return iter(torch.randperm(self.n, generator=generator).tolist())
 
     def __len__(self) -> int:
         return self.n
@@ -142,6 +142,14 @@ class ResumableLoader(DataLoader):
         super().__init__(*args, **kwargs)
         self._yielded = 0  # batches of the current epoch, those skipped at a resume included
         self._resumed: int | None = None  # batches to skip in the next iteration
+        self._skip = 0  # batches the next pass over the index sampler leaves out
+        self._skipping = _SkipFirst(self)
+
+    @property
+    def _index_sampler(self):
+        # The batches are skipped where their indices are drawn, whatever sampler Lightning put in place (under DDP
+        # a sharding wrapper of the epoch sampler), so no skipped batch is loaded.
+        return self._skipping
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.sampler.epoch, "batches": self._yielded}
@@ -154,12 +162,30 @@ class ResumableLoader(DataLoader):
 
     def __iter__(self):
         skip, self._resumed = self._resumed or 0, None
-        self.sampler.skip = skip * self.batch_size  # full batches only: training drops the last partial one
+        self._skip = skip
         iterator = super().__iter__()
         self._yielded = skip
         for batch in iterator:
             self._yielded += 1
             yield batch
+
+
+class _SkipFirst:
+    """A :class:`ResumableLoader`'s index sampler (its batch sampler, or its sampler without batching) that leaves
+    out the loader's pending skip of the next pass. Its length stays the epoch's: Lightning counts a resumed
+    epoch's batches done."""
+
+    def __init__(self, loader: ResumableLoader) -> None:
+        self.loader = loader
+
+    def __len__(self) -> int:
+        return len(DataLoader._index_sampler.fget(self.loader))
+
+    def __iter__(self):
+        # a generator: the skip is taken when the first index is drawn, not when a data-loader iterator is set up
+        # (a worker-based iterator sets up one pass it never draws from before the one it uses)
+        skip, self.loader._skip = self.loader._skip, 0
+        yield from itertools.islice(DataLoader._index_sampler.fget(self.loader), skip, None)
 
 
 def epoch_loader(

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.utilities import rank_zero_info
 
 from ..data.protocol import EpochData
@@ -78,6 +79,30 @@ def complete_finished_epoch(checkpoint: dict[str, Any]) -> bool:
     return True
 
 
+def reopen_cut_epoch(checkpoint: dict[str, Any]) -> bool:
+    """Mark an epoch that ended before its last batch (the run stopped at ``max_steps``, or by any other stop
+    between two batches) as unfinished in ``checkpoint``'s loop state, so a resume with a larger budget continues it.
+
+    Lightning counts such an epoch completed, and resumes it by starting the next epoch: the rest of the cut
+    epoch's batches are never trained and the data order of every later epoch shifts against an uninterrupted
+    run. Marked unfinished, the fit resumes in the middle of the epoch (from the batch after the last one trained,
+    the training loader skipping the ones before it: :class:`~deqscore.data.datasets.ResumableLoader`), as from a
+    preemption checkpoint. The cut epoch's end hooks then run once more at its real end. True if it was one.
+    """
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop")
+    batches = (fit_loop or {}).get("epoch_loop.batch_progress", {})
+    if not batches or batches.get("is_last_batch") or not batches["current"]["completed"]:
+        return False
+    progress = fit_loop["epoch_progress"]
+    trackers = (progress["total"], progress["current"])
+    if not all(t["ready"] == t["started"] == t["processed"] == t["completed"] > 0 for t in trackers):
+        return False
+    for tracker in trackers:
+        tracker["processed"] -= 1
+        tracker["completed"] -= 1
+    return True
+
+
 def relocate_checkpoint_states(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
     """A run resumed from a checkpoint of its own ``checkpoints/`` folder after the run directory was moved or
     copied: the paths its checkpoint callbacks recorded (their folder, the best, k-th best and last files) are
@@ -108,10 +133,14 @@ def relocate_checkpoint_states(trainer: pl.Trainer, checkpoint: dict[str, Any]) 
 
 class ResumeFixes(pl.Callback):
     """A resumed run continues as an uninterrupted one: an epoch that finished before the checkpoint is not
-    replayed (:func:`complete_finished_epoch`), data modules with epoch-dependent randomness (dequantisation
-    noise, shuffling) follow the epoch through their ``set_epoch``, and a checkpoint whose optimiser states do
-    not match the module's optimisers is refused (Lightning would restore the ones it has and silently start
-    the others afresh)."""
+    replayed (:func:`complete_finished_epoch`), one cut short by the run's budget is continued
+    (:func:`reopen_cut_epoch`), data modules with epoch-dependent randomness (dequantisation noise, shuffling)
+    follow the epoch through their ``set_epoch``, and a checkpoint whose optimiser states do not match the module's
+    optimisers is refused (Lightning would restore the ones it has and silently start the others afresh).
+
+    A run that ends between two checkpoints (at ``max_steps`` in the middle of an epoch) writes
+    ``last.ckpt`` at its last step: Lightning writes it at the end of training only when it wrote none before, so it
+    kept the last epoch's end and lost the steps after it."""
 
     def __init__(self) -> None:
         self._resumed_after_epoch = False
@@ -119,6 +148,7 @@ class ResumeFixes(pl.Callback):
 
     def on_load_checkpoint(self, trainer: pl.Trainer, module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         self._resumed_after_epoch = complete_finished_epoch(checkpoint)
+        reopen_cut_epoch(checkpoint)
         relocate_checkpoint_states(trainer, checkpoint)
         if "optimizer_states" in checkpoint:
             self._saved_optimizers = len(checkpoint["optimizer_states"])
@@ -131,6 +161,13 @@ class ResumeFixes(pl.Callback):
                 f"{type(module).__name__} has {len(trainer.optimizers)} optimiser(s); resume from a checkpoint of "
                 "the same model and optimisers (the weights alone load with `train.py test` or sample.py)"
             )
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        # before the closing stage (a later callback of the module's), which loads the best weights into the module
+        for callback in trainer.checkpoint_callbacks:
+            if (isinstance(callback, ModelCheckpoint) and callback.save_last
+                    and not callback._should_skip_saving_checkpoint(trainer)):  # its last save is of an earlier step
+                callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
 
     def on_train_epoch_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if self._resumed_after_epoch:  # a fresh epoch after a finished one, not the restart of an unfinished one

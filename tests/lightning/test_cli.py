@@ -127,6 +127,28 @@ def test_resume_continues_exactly(tmp_path, config, extra):
     assert steps == sorted(set(steps)) and steps[0] == 0  # no batch logged twice by a replayed epoch end
 
 
+def test_a_run_cut_mid_epoch_by_max_steps_keeps_its_last_step_and_extends_exactly(tmp_path):
+    """A run stopped at max_steps in the middle of an epoch (8 batches an epoch here): last.ckpt holds its last
+    step, and extended to a larger max_steps it trains the rest of that epoch and the next as an uninterrupted run
+    does (Lightning would start the next epoch, and write last.ckpt only at the epoch's end)."""
+    def fresh(name, steps):
+        return ["fit", *tiny_args(tmp_path, "configs/nice/explicit.yaml", name), "--data.init_args.train_subset",
+                "128", "--trainer.max_steps", str(steps)]
+
+    def last(name):
+        return torch.load(tmp_path / name / "checkpoints" / "last.ckpt", weights_only=False)
+
+    main(fresh("cut", 3))
+    assert last("cut")["global_step"] == 3
+    main(["fit", "--config", str(tmp_path / "cut" / "config.yaml"), "--trainer.max_steps", "10",
+          "--ckpt_path", str(tmp_path / "cut" / "checkpoints" / "last.ckpt")])
+    main(fresh("straight", 10))
+    resumed, straight = last("cut"), last("straight")
+    assert resumed["global_step"] == straight["global_step"] == 10  # the epoch's end was at 8
+    for key, value in straight["state_dict"].items():
+        assert torch.equal(resumed["state_dict"][key], value), key
+
+
 def _nice_module(loss="ssm", deq=None, **net):
     """A NICEModule built from its config (as the CLI does); ``deq``: DEQ options (a DEQ m-net)."""
     net = {"dim": 8, "hidden": 12, "n_layers": 3, "n_couplings": 2, **net}

@@ -144,9 +144,12 @@ def _two_nodes(args, tmp_path):
 
 
 def test_two_nodes_train_checkpoint_and_resume_as_two_processes_on_one(tmp_path):
+    """Two nodes stop at step 2, in the middle of an epoch (4 batches a rank), and resume to step 4: as one node
+    of two processes trained straight to it (the resumed epoch skips its first batches in each rank's shard)."""
     base = ["train.py", "fit", "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu"]
-    nodes = [*base, *tiny_args(tmp_path, "configs/nice/explicit.yaml", "nodes"), "--trainer.max_steps", "2"]
-    single = [*base, *tiny_args(tmp_path, "configs/nice/explicit.yaml", "single"), "--trainer.max_steps", "4",
+    epoch = ["--data.init_args.train_subset", "128"]
+    nodes = [*base, *tiny_args(tmp_path, "configs/nice/explicit.yaml", "nodes"), *epoch, "--trainer.max_steps", "2"]
+    single = [*base, *tiny_args(tmp_path, "configs/nice/explicit.yaml", "single"), *epoch, "--trainer.max_steps", "4",
               "--trainer.devices", "2"]
     _two_nodes(nodes, tmp_path)
     run = tmp_path / "nodes"
