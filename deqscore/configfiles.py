@@ -66,7 +66,28 @@ def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 def load_config(path: str | Path) -> dict[str, Any]:
     """The options of the config at ``path`` with its bases composed in and its named callbacks listed (see the
     module docstring)."""
-    config = composed(path)
+    return _listed(path, composed(path))
+
+
+def composed_command_line(paths: list[str | Path]) -> list[str | None]:
+    """For config files given in this order on one command line (``--config a.yaml --config b.yaml``): each one's
+    composed config as YAML text, or None for a file that needs no composing (:func:`composes`). A file's named
+    callbacks compose on those of the files before it, by name as on a base's; the parser, which takes each file's
+    list of callbacks in place of the one before, then holds them all. A file that lists its callbacks replaces
+    them, as it would without composing."""
+    texts, before = [], {}
+    for path in paths:
+        config = composed(path)
+        callbacks = config["trainer"].get("callbacks") if isinstance(config.get("trainer"), dict) else None
+        if isinstance(callbacks, dict):
+            before = config["trainer"]["callbacks"] = merged(before, callbacks)
+        elif callbacks is not None:
+            before = {}
+        texts.append(_text(_listed(path, config)) if composes(path) else None)
+    return texts
+
+
+def _listed(path: str | Path, config: dict[str, Any]) -> dict[str, Any]:
     if named_callbacks(config):
         callbacks = {name: c for name, c in config["trainer"]["callbacks"].items() if c is not None}
         for name, callback in callbacks.items():
@@ -114,4 +135,8 @@ def composes(path: str | Path) -> bool:
 
 def composed_text(path: str | Path) -> str:
     """The composed config as YAML text (what the command line is given in place of a composing file)."""
-    return yaml.safe_dump(load_config(path), sort_keys=False)
+    return _text(load_config(path))
+
+
+def _text(config: dict[str, Any]) -> str:
+    return yaml.safe_dump(config, sort_keys=False)

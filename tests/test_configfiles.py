@@ -7,8 +7,15 @@ from collections import defaultdict
 import pytest
 import yaml
 
-from deqscore.cli.train import run
-from deqscore.configfiles import ConfigFileError, composed_text, composes, is_base, load_config
+from deqscore.cli.train import main, run
+from deqscore.configfiles import (
+    ConfigFileError,
+    composed_command_line,
+    composed_text,
+    composes,
+    is_base,
+    load_config,
+)
 from deqscore.families import ROOT
 
 
@@ -37,6 +44,36 @@ def test_named_callbacks_compose_by_name_and_become_the_trainers_list(tmp_path):
         {"class_path": checkpoint["class_path"], "init_args": {"save_last": True, "monitor": "val/loss"}},
         {"class_path": "E"}]
     assert composes(run_config) and not composes(write(tmp_path / "plain.yaml", {"trainer": {"callbacks": []}}))
+
+
+def test_named_callbacks_compose_across_the_config_files_of_one_command_line(tmp_path):
+    write(tmp_path / "_a.yaml", {"trainer": {"callbacks": {"checkpoint": {"class_path": "M", "init_args": {"k": 1}},
+                                                           "curves": {"class_path": "C"}}}})
+    first = write(tmp_path / "first.yaml", {"base": "_a.yaml", "seed_everything": 3})
+    second = write(tmp_path / "second.yaml", {"trainer": {"callbacks": {"checkpoint": {"init_args": {"j": 2}},
+                                                                        "curves": None, "ema": {"class_path": "E"}}}})
+    plain = write(tmp_path / "plain.yaml", {"trainer": {"max_epochs": 1}})
+    listed = write(tmp_path / "listed.yaml", {"trainer": {"callbacks": [{"class_path": "L"}]}})
+    texts = composed_command_line([first, plain, second])
+    assert texts[1] is None  # nothing to compose: the parser reads the file itself
+    assert yaml.safe_load(texts[2])["trainer"]["callbacks"] == [  # the parser takes the last list whole
+        {"class_path": "M", "init_args": {"k": 1, "j": 2}}, {"class_path": "E"}]
+    # a file that lists its callbacks replaces them: a later file's named ones compose on nothing
+    with pytest.raises(ConfigFileError, match="trainer.callbacks.checkpoint names no class_path"):
+        composed_command_line([first, listed, second])
+
+
+def test_a_second_config_on_the_command_line_changes_a_callback_of_the_first_by_name(tmp_path, capsys):
+    extra = write(tmp_path / "extra.yaml", {"trainer": {"callbacks": {"checkpoint": {"init_args": {
+        "every_n_train_steps": 7}}}}})
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(ROOT / "configs" / "nice" / "explicit.yaml"), "--config", str(extra),
+              "--print_config"])
+    callbacks = yaml.safe_load(capsys.readouterr().out)["trainer"]["callbacks"]
+    checkpoint = next(c["init_args"] for c in callbacks if c["init_args"].get("monitor") == "val/loss")
+    assert checkpoint["every_n_train_steps"] == 7 and checkpoint["save_last"]  # the base's options stay
+    assert {"deqscore.lightning.LearningCurves", "deqscore.lightning.SampleGrid"} <= {c["class_path"] for c in
+                                                                                     callbacks}  # and its callbacks
 
 
 @pytest.mark.parametrize(("files", "message"), [

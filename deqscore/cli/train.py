@@ -27,7 +27,7 @@ from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.utilities import rank_zero_info
 
-from ..configfiles import ConfigFileError, composed_text, composes
+from ..configfiles import ConfigFileError, composed_command_line
 from ..data.errors import CorruptDataError, DataNotFoundError
 from ..errors import ConfigError
 from ..lightning.base import ScoreModule, family_registry
@@ -152,23 +152,24 @@ def launch_rank() -> int:
 
 def compose_config_files(argv: list[str]) -> list[str]:
     """``argv`` with every ``--config`` file that composes (names a base or names its callbacks) replaced by its
-    composed options (:mod:`deqscore.configfiles`); a file that is empty, not a mapping of options or names a
-    missing base is a usage error naming the file (the parser's own message, "Unexpected config", names none)."""
-    out = list(argv)
+    composed options, named callbacks composed across the files in their order (:mod:`deqscore.configfiles`); a file
+    that is empty, not a mapping of options or names a missing base is a usage error naming the file (the parser's
+    own message, "Unexpected config", names none)."""
+    given = []  # (place in argv, path, whether given as --config=PATH)
     for i, arg in enumerate(argv):
-        path = argv[i + 1] if arg == "--config" and i + 1 < len(argv) else (
-            arg.split("=", 1)[1] if isinstance(arg, str) and arg.startswith("--config=") else None)
-        if path is None or not Path(path).is_file():
-            continue  # the parser names a missing file itself
-        try:
-            if not composes(path):
-                continue
-            if arg == "--config":
-                out[i + 1] = composed_text(path)
-            else:
-                out[i] = f"--config={composed_text(path)}"
-        except ConfigFileError as err:
-            usage_error(f"--config {err}")
+        if arg == "--config" and i + 1 < len(argv):
+            given.append((i + 1, argv[i + 1], False))
+        elif isinstance(arg, str) and arg.startswith("--config="):
+            given.append((i, arg.split("=", 1)[1], True))
+    given = [g for g in given if Path(g[1]).is_file()]  # a missing file is left to the parser, which names it
+    try:
+        texts = composed_command_line([path for _, path, _ in given])
+    except ConfigFileError as err:
+        usage_error(f"--config {err}")
+    out = list(argv)
+    for (i, _, joined), text in zip(given, texts, strict=True):
+        if text is not None:
+            out[i] = f"--config={text}" if joined else text
     return out
 
 
