@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from deqscore.bench import study
+from deqscore.bench.measure import code_version
 from deqscore.bench.study import core, families, protocol
 from deqscore.bench.study.report import fmt
 from deqscore.families import declarations
@@ -40,8 +41,9 @@ def test_a_family_study_records_what_its_runs_logged_skips_recorded_units_and_wr
     for unit in units:
         variant = family.variants[unit["variant"]]
         path = core.unit_path(tmp_path / "out", name, group, unit["variant"], unit["seed"])
-        assert set(json.loads(path.read_text())) == {"family", "group", "variant", "seed", "device", "settings",
-                                                     "value"}
+        assert set(json.loads(path.read_text())) == {"family", "group", "variant", "seed", "device", "code",
+                                                     "settings", "value"}
+        assert unit["code"] == code_version() and len(unit["code"]["commit"]) == 40  # the checkout's commit
         assert unit["family"] == name and unit["device"].startswith("cpu") and unit["settings"]["iterations"] == 2
         assert unit["settings"]["budget"] == 2 / family.iterations
         assert unit["settings"]["protocol"] == PROTOCOL.stamp and unit["settings"]["fit"] == \

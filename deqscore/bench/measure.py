@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -57,6 +59,22 @@ def environment(device: torch.device) -> dict:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "python": platform.python_version(),
     }
+
+
+def code_version() -> dict | None:
+    """The commit of the git checkout the package runs from, and whether its code or configs then differed from it
+    (figures of such a run come from code that no commit holds); None outside a git checkout."""
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True).stdout
+
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        changed = git("status", "--porcelain", "--", "deqscore", "configs", "train.py", "sample.py").strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return {"commit": commit, "uncommitted_changes": bool(changed)}
 
 
 def sync(device: torch.device) -> None:

@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 from ...cli.errors import OneLineParser
-from ..measure import environment
-from .core import Family, UnitSettings, run_unit
+from ..measure import code_version, environment
+from .core import Family, UnitSettings, import_run_code, run_unit
 from .families import families
 from .protocol import Protocol, ProtocolError, load
 from .report import write_page
@@ -140,9 +140,12 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
         parser.error(str(err))
     plan = plan_of(parser, args, protocol)
     out = Path(args.out)
-    device = environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))["device"]
+    if plan:
+        import_run_code()
+    facts = {"device": environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))["device"],
+             "code": code_version()}
     results = {
-        family.name: [run_unit(family, group, variant, seed, settings, Path(args.runs_root), out, device)
+        family.name: [run_unit(family, group, variant, seed, settings, Path(args.runs_root), out, facts)
                       for group, variant, seed in units_in_order(groups, seeds)]
         for family, groups, seeds, settings in plan}
     if args.report:

@@ -90,10 +90,16 @@ class UnitSettings:
                 "extra": list(self.extra)}
 
 
+def import_run_code() -> None:
+    """Import now what a unit imports when it runs (the command-line fit and sampling), so that a study of hours runs
+    the code of its start throughout: the checkout edited meanwhile cannot give one process two versions of it."""
+    from ...cli import sample, train  # noqa: F401
+
+
 def run_unit(family: Family, group: str, name: str, seed: int, settings: UnitSettings, runs_root: Path, out: Path,
-             device: str) -> dict:
+             facts: dict[str, Any]) -> dict:
     """The unit of (``group``, ``name``, ``seed``): read back from its file when recorded with the same settings,
-    else trained, evaluated and recorded."""
+    else trained, evaluated and recorded with ``facts`` (the device, the code's version)."""
     path = unit_path(out, family.name, group, name, seed)
 
     def compute() -> dict:
@@ -106,7 +112,7 @@ def run_unit(family: Family, group: str, name: str, seed: int, settings: UnitSet
         return result
 
     recorded(path, settings.recorded_as(family), compute, family=family.name, group=group, variant=name, seed=seed,
-             device=device)
+             **facts)
     return json.loads(path.read_text())  # the unit as recorded: facts, settings and value
 
 

@@ -49,6 +49,16 @@ def on_protocol(family: Family, protocol: Protocol, settings: dict) -> bool:
             and settings["fit"] == entry["fit"] and not settings["extra"])
 
 
+def code_of(units: list[dict]) -> str:
+    """The commits the units' code came from (``not recorded`` for units that predate the record)."""
+    def one(code: dict | None) -> str:
+        if code is None:
+            return "not recorded"
+        return f"`{code['commit'][:10]}`" + (" with uncommitted changes" if code["uncommitted_changes"] else "")
+    counts = Counter(one(u.get("code")) for u in units)
+    return ", ".join(f"{what} ({n} unit{'s' if n > 1 else ''})" for what, n in sorted(counts.items()))
+
+
 def fmt(value: float | None, digits: int = 3) -> str:
     if value is None:
         return "–"
@@ -236,6 +246,7 @@ def family_section(family: Family, units: list[dict], out: Path, page: Path, pro
                                                       ", **off-protocol settings** (a trial: not evidence)"),
              f"* **device**: {', '.join(devices)}" + (" (time figures from different CPU models are not "
                                                      "comparable)" if len(devices) > 1 else ""),
+             f"* **code**: {code_of(units)}",
              f"* **command**: `python -m deqscore.bench study --family {family.name}`",
              *([f"* **context (not comparable)**: {family.context}"] if family.context else []),
              *([f"* **left out**: {left_out} unit files recorded with other settings"] if left_out else []), ""]
