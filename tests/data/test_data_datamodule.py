@@ -284,3 +284,28 @@ def test_persistent_workers_follow_the_epoch(tmp_path):
     single.set_epoch(1)
     ref.sampler.set_epoch(1)
     assert torch.equal(torch.cat([x for x, _ in ref]), seen[1][0])
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_restored_training_loader_yields_the_rest_of_its_epoch_then_whole_epochs(num_workers):
+    """A loader restored from a state saved after 2 of an epoch's 5 batches yields the other 3 of that epoch, in the
+    uninterrupted order, and later epochs whole; with persistent workers too, whose iterator sets up a pass it
+    never draws from."""
+    from deqscore.data.datasets import epoch_loader
+
+    def make():
+        return epoch_loader(torch.utils.data.TensorDataset(torch.arange(20)), 4, train=True, seed=3,
+                            num_workers=num_workers)
+
+    def epoch(loader, number):
+        loader.sampler.set_epoch(number)
+        return [batch[0].tolist() for batch in loader]
+
+    straight = make()
+    uninterrupted = [epoch(straight, 0), epoch(straight, 1)]
+    resumed = make()
+    resumed.load_state_dict({"epoch": 0, "batches": 2})
+    assert len(resumed) == 5  # the epoch's length: Lightning counts the batches done
+    assert [batch[0].tolist() for batch in resumed] == uninterrupted[0][2:]
+    assert resumed.state_dict() == {"epoch": 0, "batches": 5}
+    assert epoch(resumed, 1) == uninterrupted[1]
