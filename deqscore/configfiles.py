@@ -77,13 +77,14 @@ def composed_command_line(paths: list[str | Path]) -> list[str | None]:
     them, as it would without composing."""
     texts, before = [], {}
     for path in paths:
-        config = composed(path)
-        callbacks = config["trainer"].get("callbacks") if isinstance(config.get("trainer"), dict) else None
-        if isinstance(callbacks, dict):
-            before = config["trainer"]["callbacks"] = merged(before, callbacks)
-        elif callbacks is not None:
+        content = read_mapping(path)
+        needs_composing = _composes(content)
+        config = _composed(Path(path), content, ())
+        if named_callbacks(config):
+            before = config["trainer"]["callbacks"] = merged(before, config["trainer"]["callbacks"])
+        elif isinstance(config.get("trainer"), dict) and config["trainer"].get("callbacks") is not None:
             before = {}
-        texts.append(_text(_listed(path, config)) if composes(path) else None)
+        texts.append(_text(_listed(path, config)) if needs_composing else None)
     return texts
 
 
@@ -104,10 +105,14 @@ def named_callbacks(config: dict[str, Any]) -> bool:
     return isinstance(trainer, dict) and isinstance(trainer.get("callbacks"), dict)
 
 
-def composed(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+def composed(path: str | Path) -> dict[str, Any]:
     """The options of the config at ``path`` with its bases composed in, named callbacks still a mapping."""
-    content = read_mapping(path)
-    return merged(_merged_bases(Path(path), content.pop(BASE_KEY, []), _seen), content)
+    return _composed(Path(path), read_mapping(path), ())
+
+
+def _composed(path: Path, content: dict[str, Any], seen: tuple[Path, ...]) -> dict[str, Any]:
+    content = dict(content)
+    return merged(_merged_bases(path, content.pop(BASE_KEY, []), seen), content)
 
 
 def base_options(path: str | Path) -> dict[str, Any]:
@@ -123,13 +128,16 @@ def _merged_bases(path: Path, bases: str | list[str], seen: tuple[Path, ...]) ->
         base_path = path.parent / base
         if not base_path.is_file():
             raise ConfigFileError(f"{path}: its base {base} is not a file ({base_path})")
-        out = merged(out, composed(base_path, (*seen, path.resolve())))
+        out = merged(out, _composed(base_path, read_mapping(base_path), (*seen, path.resolve())))
     return out
 
 
 def composes(path: str | Path) -> bool:
     """Whether the config at ``path`` needs composing: it names a base or names its callbacks."""
-    content = read_mapping(path)
+    return _composes(read_mapping(path))
+
+
+def _composes(content: dict[str, Any]) -> bool:
     return BASE_KEY in content or named_callbacks(content)
 
 

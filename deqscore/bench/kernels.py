@@ -166,7 +166,7 @@ def write(rows: list[dict], args: argparse.Namespace, env: dict) -> dict:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = OneLineParser(prog="python -m deqscore.bench kernels", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", default="mnist", choices=["mnist"],
                         help="mnist (CIFAR-10 is not stored locally)")
     parser.add_argument("--n-train", default="1000,2000,5000", help="comma-separated training-subset sizes")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..cli.errors import OneLineParser, usage_error
+from ..cli.errors import OneLineParser
 from .measure import environment, log
 from .report import Table, write_reports
 from .sections import section_funcs
@@ -106,7 +106,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--trained-checkpoint", default=None,
                         help="DEQ-NICE checkpoint: also compare the solvers on its trained coupling blocks")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()] if args.sections else None
+    try:  # asked for on the command line: a usage error, not a traceback
+        check_sections(args.sections)
+    except ValueError as err:
+        parser.error(f"--sections: {err}")
+    try:
+        resolve_device(args.device)
+    except RuntimeError as err:
+        parser.error(str(err))
+    return args
 
 
 #: the benchmark's other programs, each run as ``python -m deqscore.bench <name> [its options]``
@@ -125,12 +135,6 @@ def main(argv: Sequence[str] | None = None) -> object:
     if argv and argv[0] in PROGRAMS:
         return importlib.import_module(PROGRAMS[argv[0]]).main(argv[1:])
     args = parse_args(argv)
-    sections = [s.strip() for s in args.sections.split(",") if s.strip()] if args.sections else None
-    try:
-        check_sections(sections)
-        resolve_device(args.device)
-    except (ValueError, RuntimeError) as err:  # asked for on the command line: a usage error, not a traceback
-        usage_error(f"--sections: {err}" if isinstance(err, ValueError) else str(err), PROG)
-    run(quick=args.quick, device=args.device, out_dir=args.out, sections=sections, repeats=args.repeats,
+    run(quick=args.quick, device=args.device, out_dir=args.out, sections=args.sections, repeats=args.repeats,
         threads=args.threads, command=" ".join([PROG, *argv]),
         trained_checkpoint=args.trained_checkpoint)

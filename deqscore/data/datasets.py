@@ -141,8 +141,7 @@ class ResumableLoader(DataLoader):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._yielded = 0  # batches of the current epoch, those skipped at a resume included
-        self._resumed: int | None = None  # batches to skip in the next iteration
-        self._skip = 0  # batches the next pass over the index sampler leaves out
+        self._resumed: int | None = None  # batches the next pass leaves out (taken by its index sampler)
         self._skipping = _SkipFirst(self)
 
     @property
@@ -161,8 +160,7 @@ class ResumableLoader(DataLoader):
         self._resumed = state["batches"]
 
     def __iter__(self):
-        skip, self._resumed = self._resumed or 0, None
-        self._skip = skip
+        skip = self._resumed or 0
         iterator = super().__iter__()
         self._yielded = skip
         for batch in iterator:
@@ -178,14 +176,17 @@ class _SkipFirst:
     def __init__(self, loader: ResumableLoader) -> None:
         self.loader = loader
 
+    def _epoch(self):
+        return DataLoader._index_sampler.fget(self.loader)  # what the loader would draw its pass from
+
     def __len__(self) -> int:
-        return len(DataLoader._index_sampler.fget(self.loader))
+        return len(self._epoch())
 
     def __iter__(self):
         # a generator: the skip is taken when the first index is drawn, not when a data-loader iterator is set up
         # (a worker-based iterator sets up one pass it never draws from before the one it uses)
-        skip, self.loader._skip = self.loader._skip, 0
-        yield from itertools.islice(DataLoader._index_sampler.fget(self.loader), skip, None)
+        skip, self.loader._resumed = self.loader._resumed or 0, None
+        yield from itertools.islice(self._epoch(), skip, None)
 
 
 def epoch_loader(

@@ -267,7 +267,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     protocol, _ = load_protocol()
     networks = tuple(k for k in protocol["networks"] if k != "deq_width")
     parser = OneLineParser(prog="python -m deqscore.bench deq_vs_ffn", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", type=_list(str, TASKS), default=list(TASKS))
     parser.add_argument("--dims", type=_list(int), default=protocol["construction"]["dims"])
     parser.add_argument("--networks", type=_list(str, networks), default=list(networks))

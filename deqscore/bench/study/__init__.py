@@ -113,7 +113,7 @@ def units_in_order(groups: list[str], seeds: dict[str, list[int]]) -> list[tuple
 
 def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
     parser = OneLineParser(prog="python -m deqscore.bench study", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", default="", help=f"comma-separated, from {', '.join(families())}, or 'all'")
     parser.add_argument("--protocol", default=None, help="protocol file (default: the newest in benchmarks/protocol)")
     parser.add_argument("--seeds", default=None, help="comma-separated seeds of every variant (default: the "
