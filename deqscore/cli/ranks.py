@@ -32,6 +32,15 @@ def is_lost_peer(err: BaseException) -> bool:
     return type(err) is RuntimeError and any(marker in str(err) for marker in LOST_PEER_MARKERS)
 
 
+def leave_process_group() -> None:
+    """Destroy this process's process group, if it has one, before the process exits. Left to the interpreter's
+    exit, the group's C++ teardown races the interpreter's own: a rank of a finished run can abort there
+    ("terminate called without an active exception", SIGABRT), and Lightning's launcher then kills every rank,
+    so a run that trained to its end exits with an error."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def _exit_text(code: int) -> str:
     if code < 0:
         name = signal.Signals(-code).name

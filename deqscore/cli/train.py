@@ -49,7 +49,7 @@ from ..lightning.runs import (
 )
 from .checkpoints import check_checkpoint, checkpoint_conflicts, place_in_checkpoint_run
 from .errors import UsageError, print_error, usage_error
-from .ranks import LostRankError, is_lost_peer, lost_rank_message
+from .ranks import LostRankError, is_lost_peer, leave_process_group, lost_rank_message
 
 OPTIMIZER_HINT = "any torch.optim optimizer by class name or class_path, e.g. Adam, AdamW, SGD, RMSprop"
 USAGE_ERRORS = (ConfigError, DataNotFoundError, CorruptDataError)  # a user's mistake: one line, no traceback
@@ -382,6 +382,7 @@ def run(args: list[str] | None = None) -> int:
     """``train.py``: :func:`main`, with usage mistakes reported as one message and exit status 2."""
     try:
         main(args)
+        leave_process_group()  # every rank of a finished run, so that none can abort in the interpreter's exit
     except UsageError as err:
         return err.code
     except Preempted as err:  # the state is saved (SaveOnInterrupt said where)

@@ -13,11 +13,12 @@ import torch
 from .conftest import ROOT, tiny_args
 
 WORKER = ROOT / "tests" / "lightning" / "ddp_worker.py"
+EXIT_PROBE = ROOT / "tests" / "lightning" / "exit_probe.py"
 TIMEOUT_S = 120  # per process: a multi-process regression (a rank waiting for another) fails fast, not at CI's limit
 
 
-def _run(args, cwd=ROOT, returncode=0):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+def _run(args, cwd=ROOT, returncode=0, **env_vars):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env_vars}
     proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == returncode, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -36,10 +37,13 @@ def test_two_processes_give_the_single_process_update(tmp_path):
     assert torch.equal(two["final"]["energy_bias"], two["init"]["energy_bias"])
 
 
-def test_cli_ddp_run_writes_checkpoint(tmp_path):
-    args = ["train.py", "fit", *tiny_args(tmp_path, "configs/nice/deq.yaml", "ddp"), "--trainer.max_steps", "2",
+def test_cli_ddp_run_writes_checkpoint_and_every_rank_leaves_its_process_group(tmp_path):
+    """A finished run destroys its process group on every rank before exiting: left to the interpreter's exit,
+    gloo's teardown can abort a rank (SIGABRT), and the launcher then kills the run."""
+    args = [str(EXIT_PROBE), "fit", *tiny_args(tmp_path, "configs/nice/deq.yaml", "ddp"), "--trainer.max_steps", "2",
             "--trainer.devices", "2", "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu"]
-    _run(args)
+    _run(args, EXIT_PROBE=str(tmp_path))
+    assert [(tmp_path / f"rank{rank}").read_text() for rank in (0, 1)] == ["left", "left"]
     run = tmp_path / "ddp"
     assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "config.yaml").is_file()
     state = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
