@@ -379,10 +379,12 @@ def main(args: list[str] | None = None) -> DeqscoreCLI:
 
 
 def run(args: list[str] | None = None) -> int:
-    """``train.py``: :func:`main`, with usage mistakes reported as one message and exit status 2."""
+    """``train.py``: :func:`main`, with usage mistakes reported as one message and exit status 2. A run whose ranks
+    stopped together (finished, preempted, or stopped at a non-finite loss) leaves its process group on every rank
+    before exiting, so that none can abort in the interpreter's exit (:func:`leave_process_group`)."""
     try:
         main(args)
-        leave_process_group()  # every rank of a finished run, so that none can abort in the interpreter's exit
+        leave_process_group()
     except UsageError as err:
         return err.code
     except Preempted as err:  # the state is saved (SaveOnInterrupt said where)
@@ -390,6 +392,7 @@ def run(args: list[str] | None = None) -> int:
         how = "interrupted by Ctrl-C" if err.signum == signal.SIGINT else f"preempted by {name}"
         print_error(f"{how}: the run's state is in its checkpoints/interrupted.ckpt; resume with --ckpt_path "
                     "<run>/checkpoints/interrupted.ckpt")
+        leave_process_group()
         return err.code
     except USAGE_ERRORS as err:  # found after parsing: no optimizer, no data
         print_error(str(err))
@@ -401,6 +404,7 @@ def run(args: list[str] | None = None) -> int:
     except NonFiniteLossError as err:  # every rank stopped at the same step; the line once, from the first
         if launch_rank() == 0:
             print_error(str(err))
+        leave_process_group()
         return 1
     return 0
 
