@@ -5,7 +5,9 @@ parametrised tests of ``test_families.py`` then run every one of its configs (pa
 and resume, sampling) without further code.
 """
 
+import atexit
 import functools
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -27,12 +29,12 @@ _TINY_TRAINER = [
 ]
 
 
-
 @functools.cache
 def fake_image_data() -> Path:
     """A data folder with a few random CIFAR-10 and CelebA images in their on-disk formats, decoded once (per
     process); the CIFAR-10 files differ from the originals, whose checksum warning is silenced here."""
     root = Path(tempfile.mkdtemp(prefix="deqscore-fake-images-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)  # a test session leaves nothing in the temp folder
     write_cifar10(root, per_batch=6, n_test=8)
     write_celeba(root, partitions=(0,) * 24 + (2,) * 4)
     warnings.filterwarnings("ignore", "MD5 differs from the CIFAR-10 original")
