@@ -10,6 +10,7 @@ import pytest
 from deqscore.bench import study
 from deqscore.bench.measure import code_version
 from deqscore.bench.study import core, families, protocol
+from deqscore.bench.study import report as report_module
 from deqscore.bench.study.report import fmt
 from deqscore.families import declarations
 from deqscore.lightning.callbacks import read_metrics_csv
@@ -189,7 +190,63 @@ def test_units_of_another_protocol_are_refused(tmp_path, capsys):
     path.write_text(json.dumps(unit))
     with pytest.raises(SystemExit):
         report(tmp_path)
-    assert "not recorded under protocol v2" in capsys.readouterr().err
+    assert f"not recorded under protocol v{PROTOCOL.version}" in capsys.readouterr().err
+
+
+def later_protocol(folder, change) -> tuple[protocol.Protocol, protocol.Protocol]:
+    """In ``folder``: the current protocol as version 1 and version 2 = version 1 changed by ``change(text)``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    text = json.loads(PROTOCOL.path.read_text())
+    for version in (1, 2):
+        text["version"] = version
+        (folder / f"v{version}.json").write_text(json.dumps(text))
+        change(text)
+    return protocol.load(folder / "v1.json"), protocol.load(folder / "v2.json")
+
+
+def add_variant(text):
+    text["families"]["vae"]["seeds"]["deq_wide"] = 2
+
+
+def test_a_unit_of_an_earlier_version_counts_only_where_that_version_governs_it_alike(tmp_path):
+    earlier, later = later_protocol(tmp_path / "a", add_variant)
+    unit = {"family": "vae", "variant": "deq", "settings": {"protocol": earlier.stamp}}
+    assert later.governs(unit) and earlier.governs(unit)  # a variant added beside it leaves it as it was
+    assert not later.governs({**unit, "variant": "deq_wide"})  # 0 seeds then, 2 now
+    assert not earlier.governs({**unit, "settings": {"protocol": later.stamp}})  # never backwards
+    assert not later.governs({**unit, "settings": {"protocol": {**earlier.stamp, "sha256": "0" * 64}}})  # edited
+    earlier, later = later_protocol(tmp_path / "b", lambda text: text["families"]["vae"].update(budget=2.0))
+    unit = {"family": "vae", "variant": "deq", "settings": {"protocol": earlier.stamp}}
+    assert not later.governs(unit)
+    assert later.governs({**unit, "family": "nice"})  # another family's units keep counting
+    earlier, later = later_protocol(tmp_path / "c", lambda text: text["trust"].update(faithful_below=0.1))
+    assert not later.governs({"family": "nice", "variant": "deq", "settings": {"protocol": earlier.stamp}})
+
+
+def test_a_carried_unit_is_read_back_not_run_again_and_shares_its_table(tmp_path, monkeypatch):
+    """Under a later version that governs it alike, a recorded unit is what the study returns, and the report
+    tables it with the later version's units."""
+    earlier, later = later_protocol(tmp_path / "protocol", add_variant)
+    family, entry = FAMILIES["vae"], later.family("vae")
+    settings = [entry["budget"], later.validations, entry["evaluation"], tuple(entry["fit"])]
+    out = tmp_path / "out"
+    for seed, stamped in enumerate((earlier, later)):
+        write_unit(out, "vae", "mnist", "deq", seed, {"ais_log_likelihood": -100.0 - seed})
+        path = core.unit_path(out, "vae", "mnist", "deq", seed)
+        unit = json.loads(path.read_text())
+        unit["settings"] = json.loads(json.dumps(core.UnitSettings(stamped, *settings).recorded_as(family)))
+        path.write_text(json.dumps(unit))
+
+    def train_and_evaluate(*args):
+        raise AssertionError("ran")
+
+    monkeypatch.setattr(core, "train_and_evaluate", train_and_evaluate)
+    carried = core.run_unit(family, "mnist", "deq", 0, core.UnitSettings(later, *settings), tmp_path, out, {})
+    assert carried["settings"]["protocol"] == earlier.stamp
+    with pytest.raises(AssertionError, match="ran"):  # other settings: run again
+        core.run_unit(family, "mnist", "deq", 0, core.UnitSettings(later, 2.0, *settings[1:]), tmp_path, out, {})
+    units, left_out = report_module.load_units(out, family, later)
+    assert [u["seed"] for u in units] == [0, 1] and left_out == 0
 
 
 @pytest.mark.parametrize("args, message", [

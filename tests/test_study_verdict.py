@@ -97,16 +97,17 @@ def test_a_protocol_names_its_version_and_refuses_foreign_units(tmp_path):
     unit = {"family": "nice", "group": "mnist", "variant": "deq", "seed": 0, "settings": {"protocol": protocol.stamp}}
     protocol_module.check_units(protocol, [unit])
     edited = unit | {"settings": {"protocol": {"version": protocol.version, "sha256": "0" * 64}}}
-    with pytest.raises(protocol_module.ProtocolError, match="not recorded under protocol v2"):
+    with pytest.raises(protocol_module.ProtocolError, match=f"not recorded under protocol v{protocol.version}"):
         protocol_module.check_units(protocol, [unit, edited])
     with pytest.raises(protocol_module.ProtocolError, match="no protocol"):
         protocol_module.check_units(protocol, [unit | {"settings": {}}])
-    renamed = tmp_path / "v3.json"
+    renamed = tmp_path / f"v{protocol.version + 1}.json"
     shutil.copyfile(protocol.path, renamed)
-    with pytest.raises(protocol_module.ProtocolError, match="holds version 2; a protocol is named v<version>.json"):
+    misnamed = f"holds version {protocol.version}; a protocol is named v<version>.json"
+    with pytest.raises(protocol_module.ProtocolError, match=misnamed):
         protocol_module.load(renamed)
     assert protocol_module.newest(tmp_path) == renamed
-    later = json.loads(protocol.path.read_text()) | {"version": 3}
+    later = json.loads(protocol.path.read_text()) | {"version": protocol.version + 1}
     renamed.write_text(json.dumps(later))
     assert protocol_module.load(renamed).stamp != protocol.stamp
 

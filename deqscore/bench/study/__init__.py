@@ -98,7 +98,7 @@ def plan_of(parser: argparse.ArgumentParser, args: argparse.Namespace, protocol:
         variants = chosen(parser, "--variants", args.variants, family.variants) if args.variants else \
             [v for v in family.variants if protocol.seeds(name, v)]
         groups = chosen(parser, "--groups", args.groups, family.groups) if args.groups else list(family.groups)
-        settings = UnitSettings(protocol.stamp, args.budget if args.budget is not None else entry["budget"],
+        settings = UnitSettings(protocol, args.budget if args.budget is not None else entry["budget"],
                                 protocol.validations, evaluation_of(parser, protocol, family, args.set),
                                 tuple(entry["fit"]), tuple(args.extra))
         plan.append((family, groups, {v: seeds or protocol.seeds(name, v) for v in variants}, settings))

@@ -18,11 +18,15 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...families import Metric
 from ...lightning.callbacks import read_metrics_csv
+from ..measure import log
 from ..units import mean_stderr, recorded
+
+if TYPE_CHECKING:
+    from .protocol import Protocol
 
 ROOT = Path(__file__).resolve().parents[3]
 CURVE_POINTS = 60  # points kept of each training curve in a unit file
@@ -73,11 +77,11 @@ def unit_path(out: Path, family: str, group: str, variant: str, seed: int) -> Pa
 
 @dataclass(frozen=True)
 class UnitSettings:
-    """What every unit of one study call shares: the protocol it runs under (version and SHA-256), the budget
-    (a fraction of the family's iterations), validations per run, the evaluation, the fit options and extra
-    arguments. A unit recorded with other settings is run again."""
+    """What every unit of one study call shares: the protocol it runs under (recorded as its version and
+    SHA-256), the budget (a fraction of the family's iterations), validations per run, the evaluation, the fit
+    options and extra arguments. A unit recorded with other settings is run again."""
 
-    protocol: dict[str, Any]
+    protocol: Protocol
     budget: float
     validations: int
     evaluation: dict[str, Any]
@@ -85,9 +89,21 @@ class UnitSettings:
     extra: tuple[str, ...] = ()
 
     def recorded_as(self, family: Family) -> dict[str, Any]:
-        return {"protocol": self.protocol, "budget": self.budget, "iterations": family.iterations_at(self.budget),
-                "validations": self.validations, "evaluation": self.evaluation, "fit": list(self.fit),
-                "extra": list(self.extra)}
+        return {"protocol": self.protocol.stamp, "budget": self.budget,
+                "iterations": family.iterations_at(self.budget), "validations": self.validations,
+                "evaluation": self.evaluation, "fit": list(self.fit), "extra": list(self.extra)}
+
+    def hold_for(self, unit: dict[str, Any], family: Family) -> bool:
+        """Whether the recorded ``unit`` ran with these settings, under this protocol or an earlier version that
+        governs it alike (:meth:`.protocol.Protocol.governs`)."""
+        mine = json.loads(json.dumps(self.recorded_as(family)))  # as it reads back (tuples become lists)
+        return self.protocol.governs(unit) and without_protocol(unit["settings"]) == without_protocol(mine)
+
+
+def without_protocol(settings: dict[str, Any]) -> dict[str, Any]:
+    """A unit's settings less the protocol stamp: what units of one table share, whichever version they ran
+    under (the protocol has vouched for each)."""
+    return {key: value for key, value in settings.items() if key != "protocol"}
 
 
 def import_run_code() -> None:
@@ -98,9 +114,13 @@ def import_run_code() -> None:
 
 def run_unit(family: Family, group: str, name: str, seed: int, settings: UnitSettings, runs_root: Path, out: Path,
              facts: dict[str, Any]) -> dict:
-    """The unit of (``group``, ``name``, ``seed``): read back from its file when recorded with the same settings,
-    else trained, evaluated and recorded with ``facts`` (the device, the code's version)."""
+    """The unit of (``group``, ``name``, ``seed``): read back from its file when recorded with the same settings
+    (under this protocol or an earlier version that governs it alike), else trained, evaluated and recorded with
+    ``facts`` (the device, the code's version)."""
     path = unit_path(out, family.name, group, name, seed)
+    if path.exists() and settings.hold_for(unit := json.loads(path.read_text()), family):
+        log(f"recorded earlier: {path}")
+        return unit
 
     def compute() -> dict:
         run_dir = runs_root / family.name / group / f"{name}_s{seed}"

@@ -3,8 +3,11 @@
 It fixes, per family, the primary metric and its direction, the non-inferiority margin, the budget, the seeds of
 every variant, the evaluation sizes and the fit options (the sampler's included); and, for all families, the rule
 (:mod:`.verdict`), the definition of a flattened curve and the trust figures' threshold. Every unit records the
-protocol's version and the SHA-256 of its file; the report refuses units of another version or of an edited file
-(a change is a new version, with its deviations listed in the file).
+protocol's version and the SHA-256 of its file. A change is a new version, with its deviations listed in the file. A
+unit of an earlier version still counts under a later one when the earlier file is unedited and everything of it
+that governs the unit (the rule, the definitions, the trust threshold, the family's entry and the seeds of the
+unit's variant: :meth:`Protocol.governing`) reads the same in both: a version that adds a variant or changes
+another family does not void finished units. The report refuses every other unit.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 from .core import ROOT
 
 PROTOCOL_DIR = ROOT / "benchmarks" / "protocol"
+GOVERNING = ("rule", "flattened", "validations", "trust")  # what governs every unit, beside its family's entry
 
 
 class ProtocolError(ValueError):
@@ -59,6 +63,29 @@ class Protocol:
     def validations(self) -> int:
         return int(self.text["validations"])
 
+    def governing(self, family: str, variant: str) -> dict[str, Any]:
+        """Everything of this protocol that governs a unit of ``variant`` of ``family``: the rule, the definitions,
+        the trust threshold, and the family's entry with the seeds of that variant alone."""
+        entry = dict(self.family(family))
+        seeds = entry.pop("seeds", {})
+        return {**{key: self.text[key] for key in GOVERNING}, "family": entry, "seeds": seeds.get(variant, 0)}
+
+    def governs(self, unit: dict[str, Any]) -> bool:
+        """Whether ``unit`` counts under this protocol: recorded under it, or under an earlier version whose file
+        is unedited and governs the unit identically (:meth:`governing`)."""
+        stamp = unit["settings"].get("protocol")
+        if stamp == self.stamp:
+            return True
+        if not isinstance(stamp, dict) or not isinstance(stamp.get("version"), int) or \
+                stamp["version"] >= self.version:
+            return False
+        try:
+            earlier = load(self.path.parent / f"v{stamp['version']}.json")
+        except ProtocolError:
+            return False
+        return earlier.sha256 == stamp.get("sha256") and \
+            earlier.governing(unit["family"], unit["variant"]) == self.governing(unit["family"], unit["variant"])
+
 
 def newest(directory: Path = PROTOCOL_DIR) -> Path:
     """The protocol file of the highest version in ``directory``."""
@@ -83,13 +110,14 @@ def load(path: Path | None = None) -> Protocol:
 
 
 def check_units(protocol: Protocol, units: list[dict]) -> None:
-    """Refuse units recorded under another protocol version or another file of this version."""
-    foreign = [u for u in units if u["settings"].get("protocol") != protocol.stamp]
+    """Refuse units the protocol does not govern (:meth:`Protocol.governs`): recorded under another version that
+    governs them differently, or under an edited file."""
+    foreign = [u for u in units if not protocol.governs(u)]
     if foreign:
         first = foreign[0]
         stamp = first["settings"].get("protocol") or "no protocol"
         raise ProtocolError(
-            f"{len(foreign)} unit(s) were not recorded under protocol v{protocol.version} ({protocol.sha256[:12]}), "
-            f"e.g. {first['family']}/{first['group']}/{first['variant']}_s{first['seed']} "
-            f"({stamp}); a comparison never mixes versions: move them aside or "
-            f"report them under their own protocol")
+            f"{len(foreign)} unit(s) were not recorded under protocol v{protocol.version} ({protocol.sha256[:12]}) "
+            f"nor under an earlier version that governs them alike, e.g. "
+            f"{first['family']}/{first['group']}/{first['variant']}_s{first['seed']} ({stamp}); a comparison "
+            f"never mixes rules: move them aside or report them under their own protocol")

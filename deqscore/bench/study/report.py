@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ...sampling import pyplot
 from ..units import mean_stderr
-from .core import ROOT, Family, summarise, value_of
+from .core import ROOT, Family, summarise, value_of, without_protocol
 from .protocol import Protocol, check_units
 from .verdict import MAX_SEEDS, non_inferiority
 
@@ -29,14 +29,16 @@ DEQ_ROLES = ("deq", "deq_faithful")  # the networks the claim is about, each jud
 def load_units(out: Path, family: Family, protocol: Protocol) -> tuple[list[dict], int]:
     """The family's recorded units, in the family's group and variant order, then by seed, and how many were left
     out: of several settings (budgets), only the units of the most common are kept (a table never mixes them).
-    A unit of another protocol version, or of an edited protocol file, is refused (:class:`ProtocolError`)."""
+    A unit the protocol does not govern (another version that governs it differently, or an edited file) is refused
+    (:class:`ProtocolError`)."""
     units = [json.loads(p.read_text()) for p in sorted((out / family.name).glob("*/*.json"))]
     units = [u for u in units if u["group"] in family.groups and u["variant"] in family.variants]
     check_units(protocol, units)
     if not units:
         return [], 0
-    common, _ = Counter(json.dumps(u["settings"], sort_keys=True) for u in units).most_common(1)[0]
-    kept = [u for u in units if json.dumps(u["settings"], sort_keys=True) == common]
+    shared = lambda u: json.dumps(without_protocol(u["settings"]), sort_keys=True)  # noqa: E731
+    common, _ = Counter(shared(u) for u in units).most_common(1)[0]
+    kept = [u for u in units if shared(u) == common]
     groups, variants = list(family.groups), list(family.variants)
     kept.sort(key=lambda u: (groups.index(u["group"]), variants.index(u["variant"]), u["seed"]))
     return kept, len(units) - len(kept)
@@ -47,6 +49,16 @@ def on_protocol(family: Family, protocol: Protocol, settings: dict) -> bool:
     entry = protocol.family(family.name)
     return (settings["budget"] == entry["budget"] and settings["evaluation"] == entry["evaluation"]
             and settings["fit"] == entry["fit"] and not settings["extra"])
+
+
+def recorded_under(units: list[dict], protocol: Protocol) -> str:
+    """Which earlier versions the units ran under, where some did (they count: the protocol governs them alike)."""
+    earlier = Counter(u["settings"]["protocol"]["version"] for u in units
+                      if u["settings"]["protocol"]["version"] != protocol.version)
+    if not earlier:
+        return ""
+    return " (" + ", ".join(f"{n} unit{'s' if n > 1 else ''} recorded under v{v}, which governs them alike"
+                            for v, n in sorted(earlier.items())) + ")"
 
 
 def code_of(units: list[dict]) -> str:
@@ -242,8 +254,9 @@ def family_section(family: Family, units: list[dict], out: Path, page: Path, pro
              f"* **budget**: {settings['budget']} x the default, {settings['iterations']:,} training iterations "
              f"per run; evaluation {settings['evaluation'] or 'as configured'}"
              + (f"; extra arguments `{' '.join(settings['extra'])}`" if settings["extra"] else ""),
-             f"* **protocol**: v{protocol.version}" + ("" if on_protocol(family, protocol, settings) else
-                                                      ", **off-protocol settings** (a trial: not evidence)"),
+             f"* **protocol**: v{protocol.version}" + recorded_under(units, protocol)
+             + ("" if on_protocol(family, protocol, settings) else
+                ", **off-protocol settings** (a trial: not evidence)"),
              f"* **device**: {', '.join(devices)}" + (" (time figures from different CPU models are not "
                                                      "comparable)" if len(devices) > 1 else ""),
              f"* **code**: {code_of(units)}",
@@ -383,8 +396,10 @@ def protocol_section(protocol: Protocol) -> list[str]:
     text, rule = protocol.text, protocol.text["rule"]
     lines = ["## Protocol", "",
              f"Version {protocol.version}: `{rel_to_root(protocol.path)}` (SHA-256 `{protocol.sha256}`), fixed "
-             f"{text['fixed']}. Every unit on this page records this version and hash; the report refuses units "
-             "of any other, and a change to the file is a new version with its deviations listed below.", "",
+             f"{text['fixed']}. Every unit on this page records the version and hash it ran under: this one, or an "
+             "earlier version whose file is unedited and governs it alike (the rule, the definitions, the trust "
+             "threshold, its family's entry and its variant's seeds read the same). The report refuses any other "
+             "unit, and a change to the file is a new version with its deviations listed below.", "",
              f"**The question.** {text['question']}", "",
              f"**The rule.** {rule['test']}. At the family's margin: **holds** when {rule['holds']}; **fails** "
              f"when {rule['fails']}; **inconclusive** {rule['inconclusive']}. alpha = {rule['alpha']} one-sided; "
