@@ -51,3 +51,12 @@ def test_the_scan_sees_relative_and_absolute_imports(tmp_path):
     module.parent.mkdir(parents=True)
     module.write_text("from ..lightning import ScoreModule\nimport deqscore.cli.train\nfrom .grid import x\n")
     assert _imported_subpackages(module, tmp_path / "deqscore") == {"lightning", "cli", "sampling"}
+
+
+MAX_LINES = 450  # a module longer than this holds more than one idea: split it (docs/contributing.md)
+
+
+def test_no_module_is_over_450_lines():
+    lengths = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    assert {path: n for path, n in lengths.items() if n > MAX_LINES} == {}
+    assert max(lengths.values()) > MAX_LINES / 2  # the scan reads the modules themselves

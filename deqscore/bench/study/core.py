@@ -204,6 +204,14 @@ def curves(series: dict[str, list[tuple[int, float]]]) -> dict[str, list[tuple[i
     return out
 
 
+def seed_curve(runs: list[dict], key: str) -> dict[int, tuple[float, float | None]]:
+    """The curve ``key`` of trained runs (unit values) at the steps all of them logged: step -> (mean, standard
+    error) over the runs, in step order."""
+    series = [dict(r["curves"].get(key, [])) for r in runs if r["iterations"]]
+    steps = sorted(set.intersection(*(set(s) for s in series))) if series else []
+    return {t: mean_stderr([s[t] for s in series]) for t in steps}
+
+
 def summarise(units: list[dict], keys: list[str]) -> list[dict]:
     """Per (group, variant), in the order first met: the seeds and the mean and standard error over them of each
     of ``keys`` (looked up in the unit's metrics, then its run facts); a key a unit lacks is left out."""

@@ -1,8 +1,8 @@
 """The study's page, ``docs/results.md``, written from the recorded unit files and the protocol alone: the
 protocol and its deviations, then per family the setting and budget, the table (mean and standard error over
 seeds), the non-inferiority verdict of every comparison (:mod:`.verdict`) with its converged / early-training
-mark, the DEQs' trust figures (:mod:`.trust`), the per-run facts and the figures (learning curves, test metric
-against activation memory, every seed's sample grid). Nothing on the page is typed in by hand.
+mark, the DEQs' trust figures (:mod:`.trust`), the per-run facts and the figures (:mod:`.figures`: learning
+curves, test metric against activation memory; every seed's sample grid). Nothing on the page is typed in by hand.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ import os
 from collections import Counter
 from pathlib import Path
 
-from ...sampling import pyplot
-from ..units import mean_stderr
-from .core import ROOT, Family, summarise, value_of, without_protocol
+from .core import ROOT, Family, seed_curve, summarise, value_of, without_protocol
+from .figures import plot_curves, plot_quality_memory
 from .protocol import Protocol, check_units
 from .verdict import MAX_SEEDS, non_inferiority
 
@@ -119,14 +118,6 @@ def comparisons(family: Family, protocol: Protocol, units: list[dict], group: st
     return out
 
 
-def seed_curve(runs: list[dict], key: str) -> dict[int, tuple[float, float | None]]:
-    """The curve ``key`` of trained runs (unit values) at the steps all of them logged: step -> (mean, standard
-    error) over the runs, in step order."""
-    series = [dict(r["curves"].get(key, [])) for r in runs if r["iterations"]]
-    steps = sorted(set.intersection(*(set(s) for s in series))) if series else []
-    return {t: mean_stderr([s[t] for s in series]) for t in steps}
-
-
 def flattened(protocol: Protocol, units: list[dict], group: str, variant: str | None) -> tuple[bool | None, float]:
     """Whether ``variant``'s validation curve (mean over seeds) has flattened by the protocol's definition, and its
     relative improvement over the last window of training; (None, nan) without two common validation points."""
@@ -183,59 +174,6 @@ def control_sentence(family: Family, protocol: Protocol, summaries: dict[str, di
     criterion = protocol.family(family.name).get("control", "")
     return [f"Control: each trained variant's {metric.label} as a fraction of the untrained network's "
             f"({fmt(base)}): {', '.join(ratios) or 'no trained run yet'}. {criterion}"]
-
-
-def plot_curves(family: Family, units: list[dict], group: str, path: Path) -> None:
-    """Training and validation loss against the training iteration, mean over seeds with a standard-error band."""
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for ax, key in zip(axes, ("train/loss", "val/loss"), strict=True):
-        for name, variant in family.variants.items():
-            runs = [u["value"] for u in units if u["group"] == group and u["variant"] == name]
-            curve = seed_curve(runs, key)
-            if not curve:
-                continue
-            per_iteration = runs[0]["optimiser_steps"] / runs[0]["iterations"]
-            stats = list(curve.values())
-            xs = [t / per_iteration for t in curve]
-            mean = [m for m, _ in stats]
-            err = [e or 0.0 for _, e in stats]
-            ax.plot(xs, mean, label=f"{name} ({variant.role})")
-            ax.fill_between(xs, [m - e for m, e in zip(mean, err, strict=True)],
-                            [m + e for m, e in zip(mean, err, strict=True)], alpha=0.25)
-        ax.set_title(f"{family.title}, {group}: {key}")
-        ax.set_xlabel("training iteration")
-        ax.set_yscale("symlog")
-    if axes[0].get_legend_handles_labels()[0]:
-        axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_quality_memory(family: Family, summaries: list[dict], path: Path) -> None:
-    """The family's first metric against activation memory per step: one point per variant with its standard
-    error, one panel per data set."""
-    plt = pyplot()
-    metric = family.metrics[0]
-    groups = list(dict.fromkeys(s["group"] for s in summaries))
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)
-    for ax, group in zip(axes[0], groups, strict=True):
-        for s in (s for s in summaries if s["group"] == group):
-            if metric.key not in s or "activation_memory_mb" not in s:
-                continue
-            y = s[metric.key]
-            ax.errorbar(s["activation_memory_mb"]["mean"], y["mean"], yerr=y["stderr"] or 0.0, fmt="o", capsize=3,
-                        label=f"{s['variant']} ({family.variants[s['variant']].role})")
-        ax.set_xscale("log")
-        ax.set_xlabel("activation memory per step (MiB)")
-        ax.set_ylabel(f"{metric.label} ({'higher' if metric.higher_is_better else 'lower'} is better)")
-        ax.set_title(f"{family.title}: {group}")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def family_section(family: Family, units: list[dict], out: Path, page: Path, protocol: Protocol,
