@@ -26,13 +26,15 @@ from ..files import staged
 from .measure import log
 
 
-def recorded(path: Path, settings: dict, compute: Callable[[], Any], **facts: Any) -> Any:
-    """``compute()``, or the value recorded at ``path`` with the same ``settings``; a computed value is written
-    (atomically) with its settings and ``facts`` (e.g. the device)."""
+def recorded(path: Path, settings: dict, compute: Callable[[], Any], still_holds: Callable[[dict], bool] | None = None,
+             **facts: Any) -> Any:
+    """``compute()``, or the value recorded at ``path`` with the same ``settings`` (or, given ``still_holds``, one
+    whose recorded unit it accepts); a computed value is written (atomically) with its settings and ``facts`` (e.g.
+    the device)."""
     settings = json.loads(json.dumps(settings))  # as it reads back (tuples become lists)
     if path.exists():
         saved = json.loads(path.read_text())
-        if saved.get("settings") == settings:
+        if saved.get("settings") == settings if still_holds is None else still_holds(saved):
             log(f"recorded earlier: {path}")
             return saved["value"]
     value = compute()

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 from ...families import Metric
 from ...lightning.callbacks import read_metrics_csv
-from ..measure import log
 from ..units import mean_stderr, recorded
 
 if TYPE_CHECKING:
@@ -118,9 +117,6 @@ def run_unit(family: Family, group: str, name: str, seed: int, settings: UnitSet
     (under this protocol or an earlier version that governs it alike), else trained, evaluated and recorded with
     ``facts`` (the device, the code's version)."""
     path = unit_path(out, family.name, group, name, seed)
-    if path.exists() and settings.hold_for(unit := json.loads(path.read_text()), family):
-        log(f"recorded earlier: {path}")
-        return unit
 
     def compute() -> dict:
         run_dir = runs_root / family.name / group / f"{name}_s{seed}"
@@ -131,8 +127,8 @@ def run_unit(family: Family, group: str, name: str, seed: int, settings: UnitSet
             shutil.copyfile(grid, path.with_suffix(".png"))
         return result
 
-    recorded(path, settings.recorded_as(family), compute, family=family.name, group=group, variant=name, seed=seed,
-             **facts)
+    recorded(path, settings.recorded_as(family), compute, lambda saved: settings.hold_for(saved, family),
+             family=family.name, group=group, variant=name, seed=seed, **facts)
     return json.loads(path.read_text())  # the unit as recorded: facts, settings and value
 
 
