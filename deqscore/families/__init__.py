@@ -36,6 +36,8 @@ Probe = Callable[[Callable], tuple[Any, Callable[[], Any]]]
 
 # option pieces the declarations share
 NET = "--model.init_args.net.init_args"
+#: the study's deq_implicit variant: the family's DEQ with the exact fixed point's derivatives of every order
+IMPLICIT = (f"{NET}.deq.init_args.backward=implicit",)
 MNIST_WORKERS = ["--data.init_args.num_workers", "0"]
 MNIST_SUBSETS = ["--data.init_args.train_subset", "48", "--data.init_args.val_subset", "16",
                  "--data.init_args.test_subset", "16"]
@@ -75,7 +77,8 @@ class StudyVariant:
     """One network of the study: the config of a role (or another config file), with overrides."""
 
     role: str  # a key of Declaration.configs, or "classical" / "untrained" with ``config``
-    label: str  # "shallow", "deep", "deq", "deq_faithful", "deq_reference", "classical" or "untrained"
+    # "shallow", "deep", "deq", "deq_faithful", "deq_implicit", "deq_reference", "classical" or "untrained"
+    label: str
     overrides: tuple[str, ...] = ()
     steps_per_iteration: int = 1  # optimiser steps per training iteration (the implicit VAE: 2 score + 1)
     trained: bool = True  # False: the network at initialisation, through the same evaluation

@@ -1,7 +1,7 @@
 """DKEF: deep kernel exponential families on UCI data, with explicit or DEQ feature networks."""
 
 from ..lightning.dkef import LOG_Z_PROPOSALS
-from . import NET, ROOT, Declaration, Depth, Metric, Study, StudyVariant, net_options
+from . import IMPLICIT, NET, ROOT, Declaration, Depth, Metric, Study, StudyVariant, net_options
 
 UCI = str(ROOT / "datasets" / "uci")  # the UCI files shipped with the project
 
@@ -63,6 +63,7 @@ DECLARATION = Declaration(
         variants={"explicit": StudyVariant("shallow", "shallow"), "explicit_deep": StudyVariant("deep", "deep"),
                   "deq": StudyVariant("deq", "deq"),
                   "deq_faithful": StudyVariant("deq", "deq_faithful", (f"{NET}.deq.init_args.phantom_steps=12",)),
+                  "deq_implicit": StudyVariant("deq", "deq_implicit", IMPLICIT),
                   "deq_reference": StudyVariant("reference", "deq_reference")},
         metrics=(Metric("log_likelihood", "test log-lik. (nats / point)", True),
                  Metric("exact_sm", "test exact SM", False), Metric("log_z_ess", "ESS of log Z", True)),

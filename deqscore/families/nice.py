@@ -1,6 +1,7 @@
 """NICE: an energy given by a normalising flow whose coupling networks (m-nets) may be DEQs."""
 
 from . import (
+    IMPLICIT,
     MNIST_SUBSETS,
     MNIST_WORKERS,
     NET,
@@ -58,7 +59,8 @@ DECLARATION = Declaration(
                  "(784 backward passes through the converged model each)."),
         iterations=840,  # two epochs of the 54,000 training images
         variants={"explicit": StudyVariant("shallow", "shallow"), "explicit_deep": StudyVariant("deep", "deep"),
-                  "deq": StudyVariant("deq", "deq"), "deq_reference": StudyVariant("reference", "deq_reference")},
+                  "deq": StudyVariant("deq", "deq"), "deq_implicit": StudyVariant("deq", "deq_implicit", IMPLICIT),
+                  "deq_reference": StudyVariant("reference", "deq_reference")},
         metrics=(Metric("bits_per_dim", "test bits/dim", False),
                  Metric("log_likelihood", "test log-lik. (nats)", True), Metric("exact_sm", "test exact SM", False)),
         context=("NICE trained by maximum likelihood to convergence is reported at about 4.36 bits/dim on MNIST; "

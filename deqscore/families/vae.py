@@ -1,6 +1,7 @@
 """The VAE with an implicit encoder, whose entropy gradient comes from a score network (explicit or DEQ)."""
 
 from . import (
+    IMPLICIT,
     MNIST_SUBSETS,
     MNIST_WORKERS,
     NET,
@@ -78,6 +79,7 @@ DECLARATION = Declaration(
                   # 3 phantom steps: 0.195 ** 3 < 1 %, the contraction of the trained DEQ (protocol v3)
                   "deq_faithful": StudyVariant("deq", "deq_faithful", (f"{NET}.deq.init_args.phantom_steps=3",),
                                                steps_per_iteration=3),
+                  "deq_implicit": StudyVariant("deq", "deq_implicit", IMPLICIT, steps_per_iteration=3),
                   "gaussian": StudyVariant("classical", "classical", config="gaussian_mnist.yaml")},
         metrics=(Metric("ais_log_likelihood", "test AIS log-lik. (nats)", True),
                  Metric("elbo", "test ELBO (nats)", True)),

@@ -122,12 +122,18 @@ class VAEModule(ScoreModule):
         yield 0, "loss", lambda: self.net.surrogate(x)
 
     def eval_metrics(self, x: torch.Tensor, stage: str, batch_idx: int) -> dict[str, torch.Tensor]:
-        if batch_idx >= self.ais_batches.get(stage, 0):
+        if batch_idx >= self.ais_batches.get(stage, 0) or (stage == "val" and self._smoke_validation()):
             return {}
         options = self.ais | ({"n_steps": self.val_ais_steps} if stage == "val" else {})
         gen = torch.Generator(device=x.device).manual_seed(batch_idx)
         estimate = ais_log_likelihood(self.net.log_likelihood, x, self.net.z_dim, generator=gen, **options)
         return {"ais_log_likelihood": estimate.mean()}
+
+    def _smoke_validation(self) -> bool:
+        """Whether this validation only checks that the loop runs (Lightning's sanity check before training, or a
+        ``fast_dev_run``): nothing it logs is kept or monitored, so its AIS (minutes on a CPU) is skipped."""
+        trainer = self._trainer
+        return trainer is not None and (trainer.sanity_checking or bool(trainer.fast_dev_run))
 
     # ----- samples ------------------------------------------------------------------------------------------
     @torch.no_grad()

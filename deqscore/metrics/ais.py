@@ -37,30 +37,40 @@ def sigmoid_schedule(n_steps: int, rad: float = 4.0) -> Tensor:
     return (s - s[0]) / (s[-1] - s[0])
 
 
-def _log_target(log_lik: LogLikelihood, x: Tensor, z: Tensor, beta: float) -> tuple[Tensor, Tensor]:
-    """``log N(z) + beta log p(x|z)`` and its gradient in z, per chain."""
+def _log_lik_and_grad(log_lik: LogLikelihood, x: Tensor, z: Tensor) -> tuple[Tensor, Tensor]:
+    """``log p(x|z)`` and its gradient in z, per chain. The log target at any beta follows from the two without
+    another pass: ``log N(z) + beta log p(x|z)``, gradient ``-z + beta grad``."""
     with torch.enable_grad():
         z = z.detach().requires_grad_(True)
-        value = -0.5 * z.pow(2).sum(1) + beta * log_lik(x, z)
+        value = log_lik(x, z)
         (grad,) = torch.autograd.grad(value.sum(), z)
     return value.detach(), grad
 
 
-def _hmc(log_lik: LogLikelihood, x: Tensor, z: Tensor, beta: float, step: Tensor, leapfrog: int,
-         gen: torch.Generator | None) -> tuple[Tensor, Tensor]:
-    """One HMC move per chain (step sizes ``step`` [N]); returns the new z and the acceptance mask."""
+def _target(z: Tensor, beta: float, lik: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
+    return -0.5 * z.pow(2).sum(1) + beta * lik, -z + beta * grad
+
+
+def _hmc(log_lik: LogLikelihood, x: Tensor, z: Tensor, lik: tuple[Tensor, Tensor], beta: float, step: Tensor,
+         leapfrog: int, gen: torch.Generator | None) -> tuple[Tensor, tuple[Tensor, Tensor], Tensor]:
+    """One HMC move per chain (step sizes ``step`` [N]) from ``z``, whose ``log p(x|z)`` and gradient are ``lik``;
+    returns the new z with its ``lik`` and the acceptance mask. Every evaluation of the likelihood is a leapfrog
+    step's: the start's comes from the previous move."""
     eps = step[:, None]
     p0 = torch.randn(z.shape, generator=gen, device=z.device, dtype=z.dtype)
-    value0, grad = _log_target(log_lik, x, z, beta)
+    value0, grad = _target(z, beta, *lik)
     z_new, p = z, p0 + 0.5 * eps * grad
     for i in range(leapfrog):
         z_new = z_new + eps * p
-        value, grad = _log_target(log_lik, x, z_new, beta)
+        lik_new = _log_lik_and_grad(log_lik, x, z_new)
+        value, grad = _target(z_new, beta, *lik_new)
         p = p + (eps if i < leapfrog - 1 else 0.5 * eps) * grad
     log_accept = (value - 0.5 * p.pow(2).sum(1)) - (value0 - 0.5 * p0.pow(2).sum(1))
     u = torch.rand(log_accept.shape, generator=gen, device=z.device, dtype=z.dtype)
     accept = torch.isfinite(log_accept) & (u.log() < log_accept)
-    return torch.where(accept[:, None], z_new, z), accept
+    kept = tuple(torch.where(accept.view(-1, *[1] * (new.dim() - 1)), new, old)
+                 for new, old in zip(lik_new, lik, strict=True))
+    return torch.where(accept[:, None], z_new, z), kept, accept
 
 
 @torch.no_grad()
@@ -87,9 +97,10 @@ def ais_log_likelihood(
     step = torch.full((b * n_chains,), step_size, device=x.device, dtype=x.dtype)
     betas = sigmoid_schedule(n_steps).tolist()
     log_w = torch.zeros(b * n_chains, dtype=torch.float64, device=x.device)
+    lik = _log_lik_and_grad(log_lik, xr, z)
     for t in tqdm(range(1, n_steps + 1), desc="AIS", unit="step", disable=not progress, leave=False):
-        log_w += (betas[t] - betas[t - 1]) * log_lik(xr, z).double()
-        z, accept = _hmc(log_lik, xr, z, betas[t], step, leapfrog, generator)
+        log_w += (betas[t] - betas[t - 1]) * lik[0].double()
+        z, lik, accept = _hmc(log_lik, xr, z, lik, betas[t], step, leapfrog, generator)
         # one step size per x, from the acceptance rate of all its chains (a chain adapting to its own
         # acceptances would bias its weights)
         rate = accept.to(step.dtype).view(b, n_chains).mean(1).repeat_interleave(n_chains)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import statistics
@@ -62,20 +63,39 @@ def environment(device: torch.device) -> dict:
     }
 
 
+CODE_PATHS = ("deqscore", "lab", "configs", "train.py", "sample.py")  # what a run's figures come from
+
+
+def _git(*args: str) -> str:
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True).stdout
+
+
 def code_version() -> dict | None:
     """The commit of the git checkout the package runs from, and whether its code or configs then differed from it
     (figures of such a run come from code that no commit holds); None outside a git checkout."""
-    root = Path(__file__).resolve().parents[2]
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True).stdout
-
     try:
-        commit = git("rev-parse", "HEAD").strip()
-        changed = git("status", "--porcelain", "--", "deqscore", "lab", "configs", "train.py", "sample.py").strip()
+        commit = _git("rev-parse", "HEAD").strip()
+        changed = _git("status", "--porcelain", "--", *CODE_PATHS).strip()
+        if not changed:
+            return {"commit": commit, "uncommitted_changes": False}
+        # the uncommitted changes themselves, by hash: two runs of one edited checkout are of the same code
+        digest = hashlib.sha256(_git("diff", "HEAD", "--", *CODE_PATHS).encode())
+        root = Path(__file__).resolve().parents[2]
+        for name in _git("ls-files", "--others", "--exclude-standard", "--", *CODE_PATHS).split():
+            digest.update(name.encode() + (root / name).read_bytes())
     except (OSError, subprocess.CalledProcessError):
         return None
-    return {"commit": commit, "uncommitted_changes": bool(changed)}
+    return {"commit": commit, "uncommitted_changes": True, "changes_sha256": digest.hexdigest()}
+
+
+def changed_code(commit: str, other: str) -> list[str] | None:
+    """The code files (:data:`CODE_PATHS`) that differ between two commits; None where git cannot tell (no
+    checkout, a commit not in its history)."""
+    try:
+        return _git("diff", "--name-only", commit, other, "--", *CODE_PATHS).split()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def sync(device: torch.device) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -28,17 +29,20 @@ from .measure import log
 
 
 def recorded(path: Path, settings: dict, compute: Callable[[], Any], still_holds: Callable[[dict], bool] | None = None,
-             **facts: Any) -> Any:
+             timed: bool = False, **facts: Any) -> Any:
     """``compute()``, or the value recorded at ``path`` with the same ``settings`` (or, given ``still_holds``, one
     whose recorded unit it accepts); a computed value is written (atomically) with its settings and ``facts`` (e.g.
-    the device)."""
+    the device), and with ``timed`` its start and end (UTC, ISO 8601)."""
     settings = json.loads(json.dumps(settings))  # as it reads back (tuples become lists)
     if path.exists():
         saved = json.loads(path.read_text())
         if saved.get("settings") == settings if still_holds is None else still_holds(saved):
             log(f"recorded earlier: {path}")
             return saved["value"]
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     value = compute()
+    if timed:
+        facts |= {"started": started, "ended": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     path.parent.mkdir(parents=True, exist_ok=True)
     with staged([path]) as (tmp,):
         tmp.write_text(json.dumps({**facts, "settings": settings, "value": value}, indent=1))

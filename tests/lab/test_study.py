@@ -1,15 +1,17 @@
 """The reproduction study end to end at a tiny budget, per family: every unit is recorded with what its run logged
 and scored, a recorded unit is not run again, and the page is written from the unit files alone."""
 
+import functools
 import json
 import math
 import shutil
 
 import pytest
+import torch
 
 from deqlab import study
 from deqlab.measure import code_version
-from deqlab.study import core, families, protocol
+from deqlab.study import core, families, judging, protocol
 from deqlab.study import report as report_module
 from deqlab.study.report import fmt
 from deqscore.families import declarations
@@ -20,12 +22,23 @@ FAMILIES = families()
 
 QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
          "--trainer.log_every_n_steps=1", "--trainer.limit_val_batches=2"]
+def runnable(name: str) -> list[str]:
+    """The protocol's variants of a family that this checkout can train (deq_implicit needs the DEQ's implicit
+    backward)."""
+    from deqscore.deq.layer import BACKWARD_MODES
+
+    return [v for v in FAMILIES[name].variants if PROTOCOL.seeds(name, v)
+            and (v != "deq_implicit" or "implicit" in BACKWARD_MODES)]
+
+
 def run_study(tmp_path, name: str, *more: str) -> dict:
+    """A tiny-budget study of the family's runnable variants at the configs' learning rates (tuning has its own
+    test)."""
     family = FAMILIES[name]
     options, fit = declarations()[name].study.tiny
     return study.main(["--family", name, "--budget", str(2 / family.iterations), "--runs-root",
-                       str(tmp_path / "runs"), "--out", str(tmp_path / "out"), *options, *more,
-                       "--extra", *QUIET, *fit])
+                       str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--config-rates",
+                       "--variants", ",".join(runnable(name)), *options, *more, "--extra", *QUIET, *fit])
 
 
 # NCSN's run (a minute: sampling and Inception features) adds nothing the fast suite lacks: the study machinery is
@@ -37,14 +50,18 @@ def test_a_family_study_records_what_its_runs_logged_skips_recorded_units_and_wr
     units = run_study(tmp_path, name)[name]
     seeds = [int(s) for s in declarations()[name].study.tiny[0][1].split(",")]
     group = next(iter(family.groups)) if name != "dkef" else "redwine"
-    variants = [v for v in family.variants if PROTOCOL.seeds(name, v)]  # the protocol's
+    variants = runnable(name)  # the protocol's
     assert [(u["group"], u["variant"], u["seed"]) for u in units] == [(group, v, s) for s in seeds for v in variants]
     for unit in units:
         variant = family.variants[unit["variant"]]
         path = core.unit_path(tmp_path / "out", name, group, unit["variant"], unit["seed"])
         assert set(json.loads(path.read_text())) == {"family", "group", "variant", "seed", "device", "code",
-                                                     "settings", "value"}
+                                                     "threads", "torch", "started", "ended", "fit", "settings",
+                                                     "value"}
         assert unit["code"] == code_version() and len(unit["code"]["commit"]) == 40  # the checkout's commit
+        assert unit["threads"] == PROTOCOL.text["threads"] and unit["torch"] == torch.__version__
+        assert unit["started"] <= unit["ended"] and unit["started"].endswith("+00:00")  # UTC, ISO 8601
+        assert unit["fit"]["arguments"] == unit["value"]["arguments"] and len(unit["fit"]["config_sha256"]) == 64
         assert unit["family"] == name and unit["device"].startswith("cpu") and unit["settings"]["iterations"] == 2
         assert unit["settings"]["budget"] == 2 / family.iterations
         assert unit["settings"]["protocol"] == PROTOCOL.stamp and unit["settings"]["fit"] == \
@@ -93,8 +110,11 @@ def test_a_family_study_records_what_its_runs_logged_skips_recorded_units_and_wr
         spread = sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1) / len(values)
         cell = fmt(mean) + ("" if len(values) == 1 else f" ± {fmt(math.sqrt(spread))}")
         role = family.variants[unit["variant"]].role
-        assert f"| {group} | {unit['variant']} | {role} | {len(values)} | {cell} |" in text
-    for figure in (f"curves_{group}.png", "quality_vs_memory.png"):
+        expected = PROTOCOL.seeds(name, unit["variant"])
+        missing = ", ".join(str(s) for s in expected if s not in seeds)  # the tiny study runs fewer seeds
+        assert f"| {group} | {unit['variant']} | {role} | {len(values)} of {len(expected)}; **missing** {missing} " \
+               f"| {cell} |" in text
+    for figure in (f"v{PROTOCOL.version}_curves_{group}.png", f"v{PROTOCOL.version}_quality_vs_memory.png"):
         assert (tmp_path / "out" / name / figure).exists() and f"{name}/{figure})" in text
     assert f"* **protocol**: v{PROTOCOL.version}, **off-protocol settings**" in text  # a tiny budget is a trial
     for unit in units:  # every seed's grid
@@ -124,9 +144,10 @@ def report(tmp_path) -> str:
 
 
 def test_the_verdicts_at_the_protocols_margin(tmp_path):
-    """DKEF (higher is better, margin 0.1 nats): a DEQ better by 0.2 with small noise holds; one 0.5 worse fails;
-    one 0.03 worse with noise that v1's rule passed ('worse by less than one standard error') is inconclusive,
-    with the seeds a decision would need; a single seed is not judged."""
+    """DKEF (higher is better, margin 0.1 nats): a DEQ better by 0.2 with small noise holds, before and after
+    Holm; one 0.5 worse fails; one 0.03 worse with noise that v1's rule passed ('worse by less than one standard
+    error') is inconclusive, with its power worded as a chance, and interim (3 of 5 seeds); a single seed is not
+    judged."""
     def write(group, variant, values, **kw):
         for seed, v in enumerate(values):
             write_unit(tmp_path, "dkef", group, variant, seed, {"log_likelihood": v, "log_z_ess": 500.0}, **kw)
@@ -139,39 +160,90 @@ def test_the_verdicts_at_the_protocols_margin(tmp_path):
     write("parkinsons", "deq", [-1.03, -1.33, -0.73])
     write("parkinsons", "explicit_deep", [-1.2])
     text = report(tmp_path)
-    assert "| DKEF on UCI data | redwine | deq vs explicit (shallow) | 5 / 5 | +0.2 ± 0.01 |" in text
-    assert "| 0.100 | **holds** |" in text and "| 0.100 | **fails** |" in text
-    assert "| whitewine | deq vs explicit (shallow) | 5 / 5 | -0.5 ± 0.01 |" in text
-    unsure = [line for line in text.splitlines() if line.startswith("| DKEF on UCI data | parkinsons | deq vs "
+    m = len(judging.defined_comparisons(FAMILIES["dkef"], PROTOCOL))
+    assert m == 18  # 3 data sets x 3 DEQ variants x 2 explicit networks, fixed by the protocol
+    assert "| DKEF on UCI data | v4 | redwine | deq vs explicit (shallow) | 5 of 5 / 5 of 5 | +0.2 ± 0.01 |" in text
+    assert f"| 0.100 | **holds** | **holds** (m = {m}) |" in text
+    assert f"| 0.100 | **fails** | **fails** (m = {m}) |" in text
+    assert "| whitewine | deq vs explicit (shallow) | 5 of 5 / 5 of 5 | -0.5 ± 0.01 |" in text
+    unsure = [line for line in text.splitlines() if line.startswith("| DKEF on UCI data | v4 | parkinsons | deq vs "
                                                                      "explicit (shallow)")]
-    assert len(unsure) == 1 and "**inconclusive**; " in unsure[0] and "seeds per arm would decide" in unsure[0]
-    assert "| parkinsons | deq vs explicit_deep (deep) | 3 / 1 | – |" in text and "fewer than two seeds a side" in text
+    assert len(unsure) == 1 and "| 3 of 5 / 3 of 5 |" in unsure[0]
+    assert "interim: **inconclusive**; " in unsure[0] and "chance to hold with these seeds if the two were equal" \
+        in unsure[0] and f"interim: **inconclusive** (m = {m})" in unsure[0]
+    assert "| parkinsons | deq vs explicit_deep (deep) | 3 of 5 / 1 of 3 | – |" in text and \
+        "fewer than two seeds a side" in text
+    assert "| parkinsons | deq | deq | 3 of 5; **missing** 3, 4 |" in text  # a missing seed shown as missing
     assert "| 0.50 |" in text  # the DEQ's memory against the shallow network's
 
 
-def test_flattened_curves_and_trust_figures_reach_the_page(tmp_path):
-    """The shallow network's mean validation curve decides converged / early-training (less than 1 % over the last
-    fifth); a DEQ whose training gradient is more than 5 % off the exact one is marked unfaithful."""
+def test_a_seed_outside_the_protocol_is_refused_by_name(tmp_path, capsys):
+    """An extra seed file (seed 7 of a 5-seed arm) moves a verdict as surely as a deleted one: the report names it
+    and writes nothing."""
+    for seed in range(5):
+        write_unit(tmp_path, "nice", "mnist", "explicit", seed, {"bits_per_dim": 5.0})
+    report(tmp_path)
+    write_unit(tmp_path, "nice", "mnist", "explicit", 7, {"bits_per_dim": 4.0})
+    page = tmp_path / "results.md"
+    page.unlink()
+    with pytest.raises(SystemExit):
+        report(tmp_path)
+    err = capsys.readouterr().err
+    assert "explicit_s7.json: seed 7 of nice/mnist/explicit is not a seed of protocol v4 (seeds 0 .. 4" in err
+    assert not page.exists()
+
+
+def test_the_log_z_rule_excludes_a_unit_and_its_error_enters_the_test(tmp_path):
+    """A DKEF unit whose log Z rests on fewer than 100 effective draws is excluded from its arm (and named); each
+    unit's log Z standard error widens the comparison's: here it turns a 'holds' into 'inconclusive'."""
+    def write(variant, values, ess=(500.0,) * 5, stderr=0.0):
+        for seed, v in enumerate(values):
+            write_unit(tmp_path, "dkef", "redwine", variant, seed,
+                       {"log_likelihood": v, "log_z_ess": ess[seed], "log_z_stderr": stderr})
+
+    explicit = [-1.0, -1.02, -0.98, -1.01, -0.99]
+    write("explicit", explicit)
+    write("deq", [-0.95, -0.97, -0.93, -0.96, 3.0], ess=(500.0, 500.0, 500.0, 500.0, 20.0))
+    text = report(tmp_path)
+    assert "| redwine | deq | deq | 4 of 5; **excluded** 4 (log Z ESS 20 < 100) |" in text
+    row = next(line for line in text.splitlines() if line.startswith("| DKEF on UCI data | v4 | redwine | deq vs"))
+    assert "| 4 of 5 / 5 of 5 | +0.0475 ± 0.011 |" in row and "| **holds** |" in row  # seed 4 (+3.0) left out
+    assert "| **excluded**: log Z ESS 20 < 100 |" in text  # and named in the per-run table
+    write("explicit", explicit, stderr=0.2)
+    write("deq", [-0.95, -0.97, -0.93, -0.96, -0.94], stderr=0.2)
+    row = next(line for line in report(tmp_path).splitlines()
+               if line.startswith("| DKEF on UCI data | v4 | redwine | deq vs"))
+    se = math.sqrt(2 * 0.00025 / 5 + 2 * 5 * 0.2**2 / 5**2)  # the seeds' spread, then sum(se_Z^2) / n^2 a side
+    assert f"+0.05 ± {se:.2g} |" in row and "**inconclusive**" in row
+
+
+def test_curve_labels_per_arm_and_trust_figures_reach_the_page(tmp_path):
+    """Each arm's mean validation curve is flat (less than 1 % of its best over the last fifth), still improving
+    or worsening (its last validation more than 1 % above its best), with the step of its best validation; a
+    comparison with an arm still improving is marked. A DEQ whose training gradient is more than 5 % off the exact
+    one is marked unfaithful."""
     flat = [[99, -10.0], [199, -20.0], [799, -30.0], [999, -30.2]]  # 0.7 % over the last fifth
     falling = [[99, -10.0], [199, -20.0], [799, -30.0], [999, -33.0]]  # 9.1 %
+    rising = [[99, -10.0], [199, -20.0], [799, -30.0], [999, -25.0]]  # 16.7 % above its best, at step 799
     trust = {"contraction": 0.7, "phantom_steps": 2, "neumann_remainder": 0.49, "derivative_rel_error": 0.1,
-             "objective_rel_error": 0.2, "gradient_rel_error": 0.3, "exact_converged": True, "capped_solves": 0.0,
+             "objective_error_scaled": 0.2, "gradient_rel_error": 0.3, "gradient_cosine": 0.95,
+             "gradient_norm_ratio": 1.2, "exact_converged": False, "exact_at_floor": True, "capped_solves": 0.0,
              "capped_solves_training": 0.0, "max_iter": 10}
     for seed in range(2):
         write_unit(tmp_path, "nice", "mnist", "explicit", seed, {"bits_per_dim": 5.0 + seed / 10}, curve=flat,
                    device=f"cpu: model {seed}")
-        write_unit(tmp_path, "nice", "mnist", "deq", seed, {"bits_per_dim": 5.0 + seed / 10}, trust=trust)
+        write_unit(tmp_path, "nice", "mnist", "deq", seed, {"bits_per_dim": 5.0 + seed / 10}, trust=trust,
+                   curve=falling)
+        write_unit(tmp_path, "nice", "mnist", "explicit_deep", seed, {"bits_per_dim": 5.0}, curve=rising)
     text = report(tmp_path)
-    assert "converged (+0.7% over the last fifth)" in text
+    assert "| flat (+0.7% over the last fifth; best at step 999 of 999) |" in text
+    assert "| worsening (+16.7% above its best; best at step 799 of 999) |" in text
+    row = next(line for line in text.splitlines() if "| deq vs explicit (shallow) |" in line)
+    assert "**an arm still improving**: still improving (+9.1% over the last fifth; best at step 999 of 999); flat" \
+        in row
     assert "| mnist | deq | 2 | 0.700 (0.700) | 2 | 0.490 (0.490) | 10.0% (10.0%) | 20.0% (20.0%) | 30.0% (30.0%) " \
-           "| 0.0% (0.0%) / 0.0% (0.0%) | 2 of 2 | **no** (> 5%) |" in text
-    assert "(time figures from different CPU models are not comparable)" in text
-    for seed in range(2):
-        write_unit(tmp_path, "nice", "mnist", "explicit", seed, {"bits_per_dim": 5.0}, curve=falling)
-        write_unit(tmp_path, "nice", "mnist", "deq", seed, {"bits_per_dim": 5.0},
-                   trust=trust | {"gradient_rel_error": 0.01})
-    text = report(tmp_path)
-    assert "early-training (+9.1% over the last fifth)" in text and "| 2 of 2 | yes |" in text
+           "| 0.950 (0.950) | 1.200 (1.200) | 0.0% (0.0%) / 0.0% (0.0%) | 0 of 2 converged, 2 at float32's floor " \
+           "| **no** (> 5%) |" in text
 
 
 def test_the_page_states_the_protocol_and_its_deviations(tmp_path):
@@ -225,28 +297,56 @@ def test_a_unit_of_an_earlier_version_counts_only_where_that_version_governs_it_
 
 def test_a_carried_unit_is_read_back_not_run_again_and_shares_its_table(tmp_path, monkeypatch):
     """Under a later version that governs it alike, a recorded unit is what the study returns, and the report
-    tables it with the later version's units."""
+    tables it with the later version's units; a changed setting, config, override or code commit runs it again."""
     earlier, later = later_protocol(tmp_path / "protocol", add_variant)
     family, entry = FAMILIES["vae"], later.family("vae")
     settings = [entry["budget"], later.validations, entry["evaluation"], tuple(entry["fit"])]
+    code = {"commit": "a" * 40, "uncommitted_changes": False}
     out = tmp_path / "out"
     for seed, stamped in enumerate((earlier, later)):
         write_unit(out, "vae", "mnist", "deq", seed, {"ais_log_likelihood": -100.0 - seed})
         path = core.unit_path(out, "vae", "mnist", "deq", seed)
         unit = json.loads(path.read_text())
-        unit["settings"] = json.loads(json.dumps(core.UnitSettings(stamped, *settings).recorded_as(family)))
+        unit_settings = core.UnitSettings(stamped, *settings)
+        unit["settings"] = json.loads(json.dumps(unit_settings.recorded_as(family)))
+        arguments = core.fit_arguments(family, "mnist", "deq", seed, unit_settings)
+        unit |= {"fit": core.fit_record(family, "deq", arguments), "code": code}
         path.write_text(json.dumps(unit))
 
-    def train_and_evaluate(*args):
+    def train_and_evaluate(*args, **kwargs):
         raise AssertionError("ran")
 
     monkeypatch.setattr(core, "train_and_evaluate", train_and_evaluate)
-    carried = core.run_unit(family, "mnist", "deq", 0, core.UnitSettings(later, *settings), tmp_path, out, {})
+    run = functools.partial(core.run_unit, family, "mnist", "deq", 0, runs_root=tmp_path, out=out)
+    carried = run(core.UnitSettings(later, *settings), facts={"code": code})
     assert carried["settings"]["protocol"] == earlier.stamp
-    with pytest.raises(AssertionError, match="ran"):  # other settings: run again
-        core.run_unit(family, "mnist", "deq", 0, core.UnitSettings(later, 2.0, *settings[1:]), tmp_path, out, {})
-    units, left_out = report_module.load_units(out, family, later)
-    assert [u["seed"] for u in units] == [0, 1] and left_out == 0
+    for change in (dict(settings=core.UnitSettings(later, 2.0, *settings[1:])),  # another budget
+                   dict(learning_rate=("--model.init_args.score_optimizer.init_args.lr", 3e-4)),  # an override
+                   dict(facts={"code": {**code, "commit": "b" * 40}})):  # another commit (unknown to git)
+        kwargs = {"settings": core.UnitSettings(later, *settings), "facts": {"code": code}} | change
+        with pytest.raises(AssertionError, match="ran"):
+            run(**kwargs)
+    monkeypatch.setattr(core, "fit_record", lambda *a: {"config_sha256": "0" * 64, "arguments": []})
+    with pytest.raises(AssertionError, match="ran"):  # another composed config
+        run(core.UnitSettings(later, *settings), facts={"code": code})
+    designs = report_module.load_units(out, family, later)
+    assert [u["seed"] for u in designs[later.version][1]] == [0, 1] and designs[later.version][2] == 0
+
+
+def test_code_is_alike_only_where_the_change_misses_the_familys_code(monkeypatch):
+    """The same commit with the same uncommitted changes holds; other changes do not; between two clean commits,
+    a diff of another family's files or of the page's holds, and one of shared or the family's code does not."""
+    names = list(FAMILIES)
+    clean = {"commit": "a" * 40, "uncommitted_changes": False}
+    edited = {"commit": "a" * 40, "uncommitted_changes": True, "changes_sha256": "1" * 64}
+    assert core.code_alike(clean, clean, "vae", names) and core.code_alike(edited, edited, "vae", names)
+    assert not core.code_alike(edited, edited | {"changes_sha256": "2" * 64}, "vae", names)
+    assert not core.code_alike(clean, edited, "vae", names) and not core.code_alike(None, clean, "vae", names)
+    other = {"commit": "b" * 40, "uncommitted_changes": False}
+    for changed, alike in ((["deqscore/models/ncsn.py", "configs/dkef/deq.yaml", "lab/deqlab/study/report.py"], True),
+                           (["deqscore/models/vae.py"], False), (["deqscore/deq/layer.py"], False), (None, False)):
+        monkeypatch.setattr(core, "changed_code", lambda a, b, changed=changed: changed)
+        assert core.code_alike(clean, other, "vae", names) == alike, changed
 
 
 @pytest.mark.parametrize("args, message", [
@@ -285,7 +385,7 @@ def test_the_untrained_network_is_a_control_not_an_override(tmp_path):
            "deq 0.79." in text
     assert "the samples are called digits when a variant's KID is at most a tenth" in text
     # margin: 10 % of the shallow network's KID (0.042); the DEQ is better by 0.01: the verdict is given
-    assert "| mnist | deq vs explicit (shallow) | 3 / 3 | +0.01 ±" in text and "| 0.042 | **" in text
+    assert "| mnist | deq vs explicit (shallow) | 3 of 5 / 3 of 5 | +0.01 ±" in text and "| 0.042 | interim: **" in text
 
 
 @pytest.mark.parametrize("weights, raw", [("trained", True), ("averaged", False)])

@@ -13,7 +13,7 @@ from torch import nn
 
 from deqlab.study import protocol as protocol_module
 from deqlab.study.trust import derivative_error, spectral_radius, trust_figures
-from deqlab.study.verdict import incomplete_beta, non_inferiority, seeds_needed, t_cdf, t_quantile
+from deqlab.study.verdict import holm, incomplete_beta, non_inferiority, power, seeds_needed, t_cdf, t_quantile
 from deqscore.deq import DEQ
 
 # (p, degrees of freedom, quantile) from standard t tables
@@ -182,3 +182,48 @@ def test_power_iteration_finds_the_largest_eigenvalue_per_sample():
     z = torch.zeros(2, 3)
     assert spectral_radius(layer, z, z, iterations=200).tolist() == pytest.approx([0.9, 0.5], rel=1e-3)
     assert derivative_error(layer, z, z) > 0.1  # two steps on a 0.9 contraction miss much of the series
+
+
+# ------------------------------------------------------------------------------------------------ multiplicity
+def test_holm_steps_down_and_stops_at_the_first_larger_p_value():
+    """Holm at alpha 0.05 over m = 4: thresholds 0.0125, 0.0167, 0.025, 0.05. p = (0.01, 0.015, 0.03, 0.04) rejects
+    the first two and stops at 0.03 > 0.025, though 0.04 < 0.05; a family of 8 (four comparisons without units
+    yet) rejects only p below 0.05 / 8 (0.005); None is never rejected."""
+    assert holm([0.03, 0.01, 0.04, 0.015], 4) == [False, True, False, True]
+    assert holm([0.03, 0.005, 0.04, 0.015], 8) == [False, True, False, False]
+    assert holm([0.001, None], 2) == [True, False]
+    assert holm([0.049], 1) == [True] and holm([0.049], 2) == [False]
+    with pytest.raises(ValueError, match="2 p-values in a family of 1"):
+        holm([0.1, 0.2], 1)
+
+
+def test_a_holds_before_holm_can_fall_after_it(tmp_path):
+    """A hand-made family: one comparison that holds alone (p just under 0.05) is inconclusive when judged with
+    the 18 comparisons DKEF's protocol defines; a clear one holds either way."""
+    from deqlab.study.judging import apply_holm
+
+    clear = non_inferiority([0.0, 0.01, -0.01, 0.005, -0.005], [0.0, 0.01, -0.01, 0.005, -0.005], 0.1, True)
+    marginal = non_inferiority([-0.05, 0.05, 0.0, -0.1, 0.1], [0.0, 0.01, -0.01, 0.005, -0.005], 0.1, True)
+    assert clear.verdict == marginal.verdict == "holds" and 0.01 < marginal.p_holds < 0.05
+    comparisons = [{"test": clear}, {"test": marginal}]
+    apply_holm(comparisons, 2)
+    assert [c["holm"] for c in comparisons] == ["holds", "holds"]
+    apply_holm(comparisons, 18)
+    assert [c["holm"] for c in comparisons] == ["holds", "inconclusive"]
+
+
+def test_p_values_agree_with_the_bounds_and_power_with_simulation():
+    """p_holds < alpha exactly when L > -margin; the power at equality matches the share of simulated equal arms
+    that hold (shifted-t approximation, 4,000 trials)."""
+    for deq in ([1.0, 1.1, 0.9], [0.5, 0.9, 0.7], [0.0, 0.3, -0.2, 0.1]):
+        test = non_inferiority(deq, [1.0, 1.05, 0.95], 0.2, True)
+        assert (test.p_holds < 0.05) == (test.lower > -0.2)
+        assert (test.p_fails < 0.05) == (test.upper < -0.2)
+    rng, n, sd, margin = random.Random(3), 6, 1.0, 1.2
+    held = 0
+    for _ in range(4000):
+        a, b = ([rng.gauss(0, sd) for _ in range(n)] for _ in range(2))
+        held += non_inferiority(a, b, margin, True).verdict == "holds"
+    se, df = math.sqrt(2 * sd**2 / n), 2 * n - 2
+    assert power(se, df, margin, 0.0) == pytest.approx(held / 4000, abs=0.04)
+    assert power(se, df, margin, -margin) == pytest.approx(0.05, abs=1e-9)  # at the margin: alpha

@@ -36,6 +36,7 @@ from .core import Family, UnitSettings, import_run_code, run_unit
 from .families import families
 from .protocol import Protocol, ProtocolError, load
 from .report import write_page
+from .tuning import chosen_rate
 
 __all__ = ["families", "main"]
 
@@ -101,7 +102,7 @@ def plan_of(parser: argparse.ArgumentParser, args: argparse.Namespace, protocol:
         groups = chosen(parser, "--groups", args.groups, family.groups) if args.groups else list(family.groups)
         settings = UnitSettings(protocol, args.budget if args.budget is not None else entry["budget"],
                                 protocol.validations, evaluation_of(parser, protocol, family, args.set),
-                                tuple(entry["fit"]), tuple(args.extra))
+                                tuple(entry["fit"]), tuple(args.extra), tune=not args.config_rates)
         plan.append((family, groups, {v: seeds or protocol.seeds(name, v) for v in variants}, settings))
     return plan
 
@@ -128,6 +129,10 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
     parser.add_argument("--out", default="benchmarks/results/study")
     parser.add_argument("--report", action="store_true", help="write --page from the unit files under --out")
     parser.add_argument("--page", default="docs/results.md")
+    parser.add_argument("--config-rates", action="store_true",
+                        help="train every arm at its config's learning rate, without the protocol's tuning (a trial)")
+    parser.add_argument("--rerun", action="store_true",
+                        help="run the named units again, recorded under <data>/reruns/ (the run-to-run spread)")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="arguments passed to every fit")
     args = parser.parse_args(argv)
     if not args.family and not args.report:
@@ -140,15 +145,21 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
     except ProtocolError as err:
         parser.error(str(err))
     plan = plan_of(parser, args, protocol)
-    out = Path(args.out)
+    out, runs_root = Path(args.out), Path(args.runs_root)
     if plan:
         import_run_code()
-    facts = {"device": environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))["device"],
-             "code": code_version()}
-    results = {
-        family.name: [run_unit(family, group, variant, seed, settings, Path(args.runs_root), out, facts)
-                      for group, variant, seed in units_in_order(groups, seeds)]
-        for family, groups, seeds, settings in plan}
+        if protocol.text.get("threads"):  # a unit's numbers depend on the thread count: the protocol fixes it
+            torch.set_num_threads(protocol.text["threads"])
+    device = environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    facts = {"device": device["device"], "code": code_version(), "threads": torch.get_num_threads(),
+             "torch": torch.__version__}
+    results: dict[str, list[dict]] = {}
+    for family, groups, seeds, settings in plan:
+        results[family.name] = []
+        for group, variant, seed in units_in_order(groups, seeds):
+            rate = chosen_rate(family, group, variant, settings, runs_root, out, facts)
+            results[family.name].append(run_unit(family, group, variant, seed, settings, runs_root, out, facts,
+                                                 rate, "rerun" if args.rerun else "unit"))
     if args.report:
         try:
             print(write_page(out, Path(args.page), list(families().values()), protocol))

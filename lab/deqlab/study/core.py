@@ -11,6 +11,7 @@ not run again (:func:`deqlab.units.recorded`). Image families also leave the uni
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import time
@@ -20,15 +21,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from deqscore.families import Metric
+from deqscore.configfiles import composed_text
+from deqscore.families import Metric, declarations
 from deqscore.lightning.callbacks import read_metrics_csv
 
+from ..measure import changed_code
 from ..units import mean_stderr, recorded
 
 if TYPE_CHECKING:
     from .protocol import Protocol
 
 ROOT = Path(__file__).resolve().parents[3]
+# files that only write the results page: a change to them leaves every recorded unit as it was
+REPORT_ONLY = tuple(f"lab/deqlab/study/{name}.py" for name in ("report", "tables", "judging", "verdict", "figures"))
 CURVE_POINTS = 60  # points kept of each training curve in a unit file
 
 
@@ -87,11 +92,18 @@ class UnitSettings:
     evaluation: dict[str, Any]
     fit: tuple[str, ...] = ()
     extra: tuple[str, ...] = ()
+    tune: bool = True  # each arm's learning rate by the protocol's rule (False: the configs' rates, a trial)
+
+    @property
+    def learning_rate(self) -> str:
+        """How the arms' learning rates were set: ``tuned`` by the protocol's rule, or the ``config``'s."""
+        return "tuned" if self.tune and "learning_rate" in self.protocol.text else "config"
 
     def recorded_as(self, family: Family) -> dict[str, Any]:
         return {"protocol": self.protocol.stamp, "budget": self.budget,
                 "iterations": family.iterations_at(self.budget), "validations": self.validations,
-                "evaluation": self.evaluation, "fit": list(self.fit), "extra": list(self.extra)}
+                "evaluation": self.evaluation, "fit": list(self.fit), "extra": list(self.extra),
+                **({"learning_rate": self.learning_rate} if "learning_rate" in self.protocol.text else {})}
 
     def hold_for(self, unit: dict[str, Any], family: Family) -> bool:
         """Whether the recorded ``unit`` ran with these settings, under this protocol or an earlier version that
@@ -112,30 +124,90 @@ def import_run_code() -> None:
     from deqscore.cli import sample, train  # noqa: F401
 
 
+def fit_arguments(family: Family, group: str, name: str, seed: int, settings: UnitSettings,
+                  learning_rate: tuple[str, float] | None = None) -> list[str]:
+    """The arguments of a unit's ``train.py fit`` beside its config: seed, budget, validations, the protocol's fit
+    options, the data set's, the variant's overrides, the learning rate chosen for its arm (``(option, rate)``),
+    then ``--extra``."""
+    variant = family.variants[name]
+    iterations = family.iterations_at(settings.budget) if variant.trained else 0
+    interval = max(1, iterations // settings.validations)
+    rate = [] if learning_rate is None else [f"{learning_rate[0]}={learning_rate[1]!r}"]
+    return [f"--seed_everything={seed}", f"--trainer.max_steps={iterations * variant.steps_per_iteration}",
+            "--trainer.max_epochs=-1", f"--trainer.val_check_interval={interval}",
+            "--trainer.check_val_every_n_epoch=null", "--trainer.enable_progress_bar=false",
+            *settings.fit, *family.groups[group], *variant.overrides, *rate, *settings.extra]
+
+
+def fit_record(family: Family, name: str, arguments: list[str]) -> dict[str, Any]:
+    """What governs a unit's fit beside the settings: the SHA-256 of its composed config (the repository's path
+    written as ``<repo>``, so that clones agree) and its arguments."""
+    text = composed_text(ROOT / family.variants[name].config).replace(str(ROOT), "<repo>")
+    return {"config_sha256": hashlib.sha256(text.encode()).hexdigest(),
+            "arguments": [a.replace(str(ROOT), "<repo>") for a in arguments]}
+
+
+def outside_family(family: str, path: str, families: list[str]) -> bool:
+    """Whether a changed file cannot change ``family``'s units: another family's file (a path part or file name
+    starting with its name) or a file that only writes the page (:data:`REPORT_ONLY`)."""
+    if path in REPORT_ONLY:
+        return True
+    parts = [Path(path).stem, *Path(path).parts[:-1]]
+    others = [f for f in families if f != family]
+    return any(part.startswith(other) for part in parts for other in others) and \
+        not any(part.startswith(family) for part in parts)
+
+
+def code_alike(recorded: dict | None, running: dict | None, family: str, families: list[str]) -> bool:
+    """Whether a unit recorded with code ``recorded`` holds for the ``running`` code: the same commit with the same
+    uncommitted changes (by hash), or clean commits whose difference touches none of the family's code."""
+    if recorded is None or running is None:
+        return False
+    if recorded["commit"] == running["commit"]:
+        return recorded.get("changes_sha256") == running.get("changes_sha256")
+    if recorded["uncommitted_changes"] or running["uncommitted_changes"]:
+        return False
+    changed = changed_code(recorded["commit"], running["commit"])
+    return changed is not None and all(outside_family(family, f, families) for f in changed)
+
+
 def run_unit(family: Family, group: str, name: str, seed: int, settings: UnitSettings, runs_root: Path, out: Path,
-             facts: dict[str, Any]) -> dict:
-    """The unit of (``group``, ``name``, ``seed``): read back from its file when recorded with the same settings
-    (under this protocol or an earlier version that governs it alike), else trained, evaluated and recorded with
-    ``facts`` (the device, the code's version)."""
-    path = unit_path(out, family.name, group, name, seed)
+             facts: dict[str, Any], learning_rate: tuple[str, float] | None = None, kind: str = "unit") -> dict:
+    """The unit of (``group``, ``name``, ``seed``): read back from its file when nothing that governs it differs
+    (its settings under this protocol or an earlier version that governs it alike, its composed config, its
+    arguments and its code: :func:`code_alike`), else trained, evaluated and recorded with ``facts`` (device,
+    threads, torch, code) and its start and end. ``kind``: ``unit``; ``rerun``, the same unit recorded again under
+    ``reruns/`` (the run-to-run spread); ``tuning``, a learning-rate tuning run under ``tuning/`` (trained, not
+    evaluated)."""
+    arguments = fit_arguments(family, group, name, seed, settings, learning_rate)
+    governing = fit_record(family, name, arguments)
+    folder = {"unit": None, "rerun": "reruns", "tuning": "tuning"}[kind]
+    stem = f"{name}_s{seed}" if learning_rate is None or kind != "tuning" else f"{name}_lr{learning_rate[1]!r}_s{seed}"
+    path = out / family.name / group / (f"{stem}.json" if folder is None else f"{folder}/{stem}.json")
+    names = list(declarations())
 
     def compute() -> dict:
-        run_dir = runs_root / family.name / group / f"{name}_s{seed}"
-        result = train_and_evaluate(family, group, name, seed, settings, run_dir)
+        run_dir = runs_root / family.name / group / (stem if folder is None else f"{folder}/{stem}")
+        result = train_and_evaluate(family, name, seed, settings, run_dir, arguments, evaluate=kind != "tuning")
         grid = run_dir / "samples" / "samples.png"
-        if grid.exists():
+        if grid.exists() and kind == "unit":
             path.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(grid, path.with_suffix(".png"))
         return result
 
-    recorded(path, settings.recorded_as(family), compute, lambda saved: settings.hold_for(saved, family),
-             family=family.name, group=group, variant=name, seed=seed, **facts)
+    def still_holds(saved: dict) -> bool:
+        return settings.hold_for(saved, family) and saved.get("fit") == governing and \
+            code_alike(saved.get("code"), facts.get("code"), family.name, names)
+
+    recorded(path, settings.recorded_as(family), compute, still_holds, timed=True,
+             family=family.name, group=group, variant=name, seed=seed, fit=governing, **facts)
     return json.loads(path.read_text())  # the unit as recorded: facts, settings and value
 
 
-def train_and_evaluate(family: Family, group: str, name: str, seed: int, settings: UnitSettings, run_dir: Path) -> dict:
-    """``train.py fit`` of one variant at ``seed`` for the budget's iterations (none for an untrained variant),
-    then the family's evaluation of its final weights: the run facts, the curves and the metrics."""
+def train_and_evaluate(family: Family, name: str, seed: int, settings: UnitSettings, run_dir: Path,
+                       arguments: list[str], evaluate: bool = True) -> dict:
+    """``train.py fit`` of one variant with ``arguments`` (none of its iterations for an untrained variant), then,
+    with ``evaluate``, the family's evaluation of its final weights: the run facts, the curves and the metrics."""
     from deqscore.cli.train import main as train
     from deqscore.lightning.runs import move_aside
 
@@ -144,11 +216,6 @@ def train_and_evaluate(family: Family, group: str, name: str, seed: int, setting
     if run_dir.exists():  # left by an interrupted unit or one of other settings: kept aside, never written into
         print(f"moved the earlier run {run_dir} aside to {move_aside(run_dir)}")
     iterations = family.iterations_at(settings.budget) if variant.trained else 0
-    interval = max(1, iterations // settings.validations)
-    arguments = [f"--seed_everything={seed}", f"--trainer.max_steps={iterations * variant.steps_per_iteration}",
-                 "--trainer.max_epochs=-1", f"--trainer.val_check_interval={interval}",
-                 "--trainer.check_val_every_n_epoch=null", "--trainer.enable_progress_bar=false",
-                 *settings.fit, *family.groups[group], *variant.overrides, *settings.extra]
     start = time.perf_counter()
     fit = train(["fit", f"--config={ROOT / variant.config}", f"--run_name={run_dir.name}",
                  f"--runs_root={run_dir.parent}", *arguments])
@@ -157,21 +224,23 @@ def train_and_evaluate(family: Family, group: str, name: str, seed: int, setting
         raise RuntimeError(f"{family.name} {name}: {fit.trainer.global_step} optimiser steps where the budget is "
                            f"{iterations} iterations of {variant.steps_per_iteration}; the variant's "
                            "steps_per_iteration does not match its module")
+    logged = run_dir / "metrics.csv"  # an untrained run logs nothing
+    series = read_metrics_csv(logged) if logged.exists() else {}
+    facts = {"config": variant.config, "arguments": arguments, "iterations": iterations,
+             "optimiser_steps": fit.trainer.global_step, **run_facts(series),
+             "seconds_per_iteration": fit_seconds / iterations if iterations else None, "curves": curves(series)}
+    if not evaluate:  # a tuning run: its validation figures
+        return facts | {"validation": {k: v for k, v in series.items() if k.startswith("val/")}}
     checkpoint = run_dir / "checkpoints" / "final.ckpt"  # a family's closing stage (DKEF) ends in final.ckpt
     if not checkpoint.exists():
         checkpoint = run_dir / "checkpoints" / "study_last.ckpt"  # the weights at the end of training
         fit.trainer.save_checkpoint(checkpoint)
-    logged = run_dir / "metrics.csv"  # an untrained run logs nothing
-    series = read_metrics_csv(logged) if logged.exists() else {}
     metrics = family.evaluate(run_dir, checkpoint, variant, seed, settings.evaluation)
     trust = metrics.pop("trust", None)
     if trust is not None:  # the share of training's logged solves that stopped at the layer's cap
         nstep = [v for _, v in series.get("train/deq/nstep", [])]
         trust["capped_solves_training"] = sum(v >= trust["max_iter"] for v in nstep) / len(nstep) if nstep else None
-    return {"config": variant.config, "arguments": arguments, "iterations": iterations,
-            "optimiser_steps": fit.trainer.global_step, **run_facts(series),
-            "seconds_per_iteration": fit_seconds / iterations if iterations else None,
-            "evaluated": checkpoint.name, "curves": curves(series), "metrics": metrics, "trust": trust}
+    return facts | {"evaluated": checkpoint.name, "metrics": metrics, "trust": trust}
 
 
 def run_facts(series: dict[str, list[tuple[int, float]]]) -> dict[str, Any]:

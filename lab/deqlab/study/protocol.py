@@ -22,7 +22,7 @@ from typing import Any
 from .core import ROOT
 
 PROTOCOL_DIR = ROOT / "benchmarks" / "protocol"
-GOVERNING = ("rule", "flattened", "validations", "trust")  # what governs every unit, beside its family's entry
+NOT_GOVERNING = ("version", "fixed", "question", "deviations", "families")  # every other key governs every unit
 
 
 class ProtocolError(ValueError):
@@ -68,7 +68,8 @@ class Protocol:
         the trust threshold, and the family's entry with the seeds of that variant alone."""
         entry = dict(self.family(family))
         seeds = entry.pop("seeds", {})
-        return {**{key: self.text[key] for key in GOVERNING}, "family": entry, "seeds": seeds.get(variant, 0)}
+        shared = {key: value for key, value in self.text.items() if key not in NOT_GOVERNING}
+        return {**shared, "family": entry, "seeds": seeds.get(variant, 0)}
 
     def governs(self, unit: dict[str, Any]) -> bool:
         """Whether ``unit`` counts under this protocol: recorded under it, or under an earlier version whose file
@@ -85,6 +86,32 @@ class Protocol:
             return False
         return earlier.sha256 == stamp.get("sha256") and \
             earlier.governing(unit["family"], unit["variant"]) == self.governing(unit["family"], unit["variant"])
+
+
+    def design_of(self, unit: dict[str, Any]) -> Protocol | None:
+        """The protocol whose design ``unit`` belongs to: this one where it governs the unit (:meth:`governs`), else
+        the newest earlier version that governs it alike with the version it was recorded under (whose file must be
+        unedited); None for a unit of an edited file, of a later version or of none."""
+        if self.governs(unit):
+            return self
+        stamp = unit["settings"].get("protocol")
+        if not isinstance(stamp, dict) or not isinstance(stamp.get("version"), int) or \
+                not 0 < stamp["version"] < self.version:
+            return None
+        try:
+            own = load(self.path.parent / f"v{stamp['version']}.json")
+        except ProtocolError:
+            return None
+        if own.sha256 != stamp.get("sha256"):
+            return None
+        for version in range(self.version - 1, own.version, -1):
+            try:
+                later = load(self.path.parent / f"v{version}.json")
+            except ProtocolError:
+                continue
+            if later.governs(unit):
+                return later
+        return own
 
 
 def newest(directory: Path = PROTOCOL_DIR) -> Path:

@@ -11,9 +11,15 @@ one test batch (:func:`trust_figures`):
 * ``derivative_rel_error``: the relative error of the layer's vector-Jacobian product with respect to its input
   (the way a score reaches ``x`` through the layer) from the phantom steps, against the implicit derivative
   solved to 1e-10;
-* ``objective_rel_error`` and ``gradient_rel_error``: the training objective's value and its parameter gradient
+* ``objective_error_scaled`` and ``gradient_rel_error``: the training objective's value and its parameter gradient
   as trained (phantom) against the same with every layer unrolled (the exact derivative of the converged solve,
-  with a tighter tolerance), under the same random draws: for a score-matching loss this includes the trace term;
+  with a tighter tolerance), under the same random draws: for a score-matching loss this includes the trace term.
+  The value's error is scaled by the larger of the exact value's magnitude and its standard deviation over
+  :data:`SCALE_DRAWS` draws of the objective's randomness (a mean near zero would inflate a relative error:
+  ``objective_rel_error``, kept for comparison); the gradient's cosine and norm ratio to the exact one beside it;
+* ``exact_converged``, ``exact_residual`` and ``exact_at_floor``: whether every unrolled reference solve met its
+  tolerance, the largest relative residual, and whether an unconverged one stalled at the precision's floor
+  (:data:`FLOOR_EPS` machine epsilons): as converged as the dtype allows, not a failure;
 * ``capped_solves``: the share of this batch's forward solves that stopped at ``max_iter`` unconverged.
 """
 
@@ -31,6 +37,8 @@ IMPLICIT_TOL = 1e-10  # relative change of the implicit backward solve
 IMPLICIT_MAX_ITER = 2000
 UNROLL_TOL_FACTOR = 0.1  # the unrolled solve's tolerance against the layer's own (float32 allows little tighter)
 UNROLL_MIN_ITER = 400  # the unrolled solve's iteration cap, at least
+SCALE_DRAWS = 4  # draws of the exact objective whose spread scales its error
+FLOOR_EPS = 64  # a relative residual within this many machine epsilons is the dtype's floor
 
 
 def relative_error(approx: list[torch.Tensor | None], exact: list[torch.Tensor | None]) -> float:
@@ -125,11 +133,11 @@ def trust_figures(module, x: torch.Tensor, seed: int = 0) -> dict | None:
         return None
     params = [p for p in module.parameters() if p.requires_grad]
 
-    def objective() -> tuple[torch.Tensor, tuple]:
-        torch.manual_seed(seed)
+    def objective(draw: int = seed, gradient: bool = True) -> tuple[torch.Tensor, tuple]:
+        torch.manual_seed(draw)
         with torch.enable_grad():
             value = module.loss_terms(x)[module.deq_objective]
-            grads = torch.autograd.grad(value, params, allow_unused=True)
+            grads = torch.autograd.grad(value, params, allow_unused=True) if gradient else ()
         return value.detach(), grads
 
     with captured_solves(layers) as solves:
@@ -137,6 +145,14 @@ def trust_figures(module, x: torch.Tensor, seed: int = 0) -> dict | None:
     with deq_backward(module, "unroll"), tighter_solves(layers):
         exact_value, exact_grads = objective()
         exact_converged = all(bool(layer.stats.converged) for layer in layers)
+        residual = max(float(layer.stats.rel_residual) for layer in layers)
+        draws = torch.stack([objective(seed + 1 + k, gradient=False)[0] for k in range(SCALE_DRAWS)])
+    floor = FLOOR_EPS * torch.finfo(x.dtype).eps if x.dtype.is_floating_point else 0.0
+    pairs = [(g, e) for g, e in zip(grads, exact_grads, strict=True) if e is not None]
+    dot = sum(float((torch.zeros_like(e) if g is None else g).mul(e).sum()) for g, e in pairs)
+    norm = sum(float(g.pow(2).sum()) for g, _ in pairs if g is not None) ** 0.5
+    exact_norm = sum(float(e.pow(2).sum()) for _, e in pairs) ** 0.5
+    scale = max(abs(float(exact_value)), float(draws.std()), 1e-30)
     radius = torch.cat([spectral_radius(layer, z, u, seed=seed) for layer, u, z, _ in solves])
     steps = max(layer.phantom_steps for layer in layers)
     contraction = float(radius.max())
@@ -147,8 +163,13 @@ def trust_figures(module, x: torch.Tensor, seed: int = 0) -> dict | None:
         "neumann_remainder": contraction**steps,
         "derivative_rel_error": max(derivative_error(layer, z, u, seed) for layer, u, z, _ in solves),
         "objective_rel_error": abs(float(value - exact_value)) / max(abs(float(exact_value)), 1e-30),
+        "objective_error_scaled": abs(float(value - exact_value)) / scale,
         "gradient_rel_error": relative_error(list(grads), list(exact_grads)),
+        "gradient_cosine": dot / max(norm * exact_norm, 1e-300),
+        "gradient_norm_ratio": norm / max(exact_norm, 1e-300),
         "exact_converged": exact_converged,
+        "exact_residual": residual,
+        "exact_at_floor": not exact_converged and residual <= floor,
         "capped_solves": sum(not converged for *_, converged in solves) / len(solves),
         "max_iter": max(layer.max_iter for layer in layers),
     }

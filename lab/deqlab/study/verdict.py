@@ -104,6 +104,22 @@ class NonInferiority:
     verdict: str  # "holds", "fails" or "inconclusive"
     n: tuple[int, int]  # seeds of the DEQ and of the other network
     sd: tuple[float, float]  # their per-seed standard deviations
+    alpha: float = ALPHA
+
+    @property
+    def p_holds(self) -> float:
+        """The one-sided p-value of H0: ``d <= -margin`` (small: the DEQ is worse by less than the margin)."""
+        return tail_above(self.d + self.margin, self.se, self.df)
+
+    @property
+    def p_fails(self) -> float:
+        """The one-sided p-value of H0: ``d >= -margin`` (small: the DEQ is worse by more than the margin)."""
+        return tail_above(-(self.d + self.margin), self.se, self.df)
+
+    def chance_to_hold(self, true_d: float) -> float:
+        """The chance that a rerun with these seeds and standard deviations holds if the true difference were
+        ``true_d`` (:func:`power`), before any multiplicity correction."""
+        return power(self.se, self.df, self.margin, true_d, self.alpha)
 
     @property
     def supported_margin(self) -> float:
@@ -117,9 +133,12 @@ class NonInferiority:
 
 
 def non_inferiority(deq: list[float], other: list[float], margin: float, higher_is_better: bool,
-                    alpha: float = ALPHA) -> NonInferiority | None:
+                    alpha: float = ALPHA, measurement: tuple[list[float], list[float]] = ((), ())
+                    ) -> NonInferiority | None:
     """The DEQ's per-seed metrics against the other network's at ``margin``; None with fewer than two seeds on a
-    side (no standard deviation, nothing to test)."""
+    side (no standard deviation, nothing to test). ``measurement``: each seed's own standard error of its metric
+    (e.g. of its log Z), DEQ's then the other's, added to the variance of the difference as
+    ``sum(se_i^2) / n^2`` per side; Welch's degrees of freedom stay those of the seeds' spread."""
     if len(deq) < 2 or len(other) < 2:
         return None
     if not margin > 0:
@@ -129,10 +148,46 @@ def non_inferiority(deq: list[float], other: list[float], margin: float, higher_
     d = sign * (mean_deq - mean_other)
     sd_deq, sd_other = se_deq * math.sqrt(len(deq)), se_other * math.sqrt(len(other))
     se, df = welch(sd_deq, len(deq), sd_other, len(other))
+    extra = sum(sum(e * e for e in errors) / len(values) ** 2
+                for errors, values in zip(measurement, (deq, other), strict=True) if errors)
+    se = math.sqrt(se * se + extra)
     t = t_quantile(1.0 - alpha, df)
     lower, upper = d - t * se, d + t * se
     verdict = "holds" if lower > -margin else "fails" if upper < -margin else "inconclusive"
-    return NonInferiority(d, se, df, lower, upper, margin, verdict, (len(deq), len(other)), (sd_deq, sd_other))
+    return NonInferiority(d, se, df, lower, upper, margin, verdict, (len(deq), len(other)), (sd_deq, sd_other),
+                          alpha)
+
+
+def tail_above(x: float, se: float, df: float) -> float:
+    """``P(T > x / se)`` for Student's t with ``df`` degrees of freedom (``se`` 0: 0 or 1)."""
+    if se == 0.0:
+        return 0.0 if x > 0 else 1.0
+    return 1.0 - t_cdf(x / se, df)
+
+
+def power(se: float, df: float, margin: float, true_d: float, alpha: float = ALPHA) -> float:
+    """The chance that the test holds (``L > -margin``) when the true difference is ``true_d`` and the estimate's
+    standard error and degrees of freedom are ``se`` and ``df``: ``P(T > t(1 - alpha, df) - (true_d + margin) /
+    se)``, the non-central t approximated by a shifted central one."""
+    t = t_quantile(1.0 - alpha, df)
+    if se == 0.0:
+        return 1.0 if true_d > -margin else 0.0
+    return 1.0 - t_cdf(t - (true_d + margin) / se, df)
+
+
+def holm(p_values: list[float | None], m: int, alpha: float = ALPHA) -> list[bool]:
+    """Holm's step-down over a family of ``m`` hypotheses (``m`` at least the p-values given; the ones not given,
+    e.g. comparisons without units yet, count as never rejected): which of ``p_values`` are rejected at familywise
+    ``alpha``. None (no test) is never rejected."""
+    if m < len(p_values):
+        raise ValueError(f"Holm: {len(p_values)} p-values in a family of {m}")
+    order = sorted((p, i) for i, p in enumerate(p_values) if p is not None)
+    rejected = [False] * len(p_values)
+    for rank, (p, i) in enumerate(order):
+        if p > alpha / (m - rank):
+            break
+        rejected[i] = True
+    return rejected
 
 
 def seeds_needed(sd_a: float, sd_b: float, margin: float, alpha: float = ALPHA, power: float = POWER) -> int | None:

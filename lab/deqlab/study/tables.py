@@ -1,0 +1,151 @@
+"""The study page's per-unit tables: the DEQs' trust figures, every run with its provenance (protocol, code
+commit, thread count, torch, device, start and end), the run-to-run spread from recorded reruns, and the sample
+grids. :mod:`.report` places them in each family's section."""
+
+from __future__ import annotations
+
+import functools
+import json
+from datetime import datetime
+from pathlib import Path
+
+from .core import Family, value_of
+from .judging import exclusion
+from .protocol import Protocol
+
+
+def fmt(value: float | None, digits: int = 3) -> str:
+    if value is None:
+        return "–"
+    if abs(value) >= 1e4 or (value != 0 and abs(value) < 10 ** -digits):
+        return f"{value:.{digits}g}"
+    return f"{value:,.{digits}f}"
+
+
+def trust_table(units: list[dict], rules: Protocol) -> list[str]:
+    """Mean over seeds of each DEQ variant's trust figures; a variant whose training gradient is further from the
+    exact one than the protocol allows is marked. Figures a unit did not record (units before v4: the stable
+    objective scale, the gradient's cosine and norm ratio, the reference solve's residual) show as –."""
+    threshold = rules.text["trust"]["faithful_below"]
+    runs = [u for u in units if u["value"].get("trust")]
+    if not runs:
+        return []
+    lines = ["**Trust figures** (final weights, first test batch; mean over seeds, max over seeds in brackets; the "
+             "objective's error against the root mean square of its per-sample terms):", "",
+             "| data | variant | seeds | contraction | K | contraction^K | derivative error | objective error | "
+             "gradient error | gradient cosine | gradient norm ratio | capped solves (test / training) | "
+             "unrolled solve | faithful |", "|" + "---|" * 14]
+    for group, name in dict.fromkeys((u["group"], u["variant"]) for u in runs):
+        figures = [u["value"]["trust"] for u in runs if (u["group"], u["variant"]) == (group, name)]
+        cell = functools.partial(trust_cell, figures)
+        worst = max(f["gradient_rel_error"] for f in figures)
+        faithful = "yes" if worst < threshold else f"**no** (> {threshold:.0%})"
+        lines.append(f"| {group} | {name} | {len(figures)} | {cell('contraction')} | {figures[0]['phantom_steps']} | "
+                     f"{cell('neumann_remainder')} | {cell('derivative_rel_error', True)} | "
+                     f"{cell('objective_error_scaled', True)} | {cell('gradient_rel_error', True)} | "
+                     f"{cell('gradient_cosine')} | {cell('gradient_norm_ratio')} | "
+                     f"{cell('capped_solves', True)} / {cell('capped_solves_training', True)} | "
+                     f"{reference_solve(figures)} | {faithful} |")
+    return [*lines, ""]
+
+
+def reference_solve(figures: list[dict]) -> str:
+    """How the unrolled reference solves ended: converged, at float32's floor (the residual stalled at the
+    precision's limit, which is as converged as float32 allows), or unconverged."""
+    converged = sum(bool(f["exact_converged"]) for f in figures)
+    floor = sum(not f["exact_converged"] and bool(f.get("exact_at_floor")) for f in figures)
+    parts = [f"{converged} of {len(figures)} converged"]
+    if floor:
+        parts.append(f"{floor} at float32's floor")
+    unknown = sum(not f["exact_converged"] and "exact_at_floor" not in f for f in figures)
+    if unknown:
+        parts.append(f"{unknown} unconverged or at float32's floor (residual not recorded)")
+    return ", ".join(parts)
+
+
+def trust_cell(figures: list[dict], key: str, percent: bool = False) -> str:
+    """Mean over runs of one trust figure, the largest in brackets."""
+    values = [f[key] for f in figures if f.get(key) is not None]
+    if not values:
+        return "–"
+    show = (lambda v: f"{v:.1%}") if percent else fmt  # noqa: E731
+    return f"{show(sum(values) / len(values))} ({show(max(values))})"
+
+
+def provenance(unit: dict) -> list[str]:
+    """Protocol, code, threads, torch, start and hours of one unit ('–' where the unit predates the record)."""
+    code = unit.get("code")
+    commit = "–" if code is None else f"`{code['commit'][:10]}`" + ("+" if code["uncommitted_changes"] else "")
+    start, end = unit.get("started"), unit.get("ended")
+    hours = "–"
+    if start and end:
+        hours = f"{(datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds() / 3600:.2f}"
+    return [f"v{unit['settings']['protocol']['version']}", commit, str(unit.get("threads", "–")),
+            unit.get("torch", "–"), unit["device"], start[:16].replace("T", " ") if start else "–", hours]
+
+
+def per_run_table(family: Family, units: list[dict], rules: Protocol) -> list[str]:
+    """Every run: its metrics (with their own spread where the metric has one), solver facts, whether it counts,
+    and its provenance."""
+    keys = [m.key for m in family.metrics]
+    lines = ["<details><summary>Every run, with its provenance</summary>", "",
+             "| data | variant | seed | " + " | ".join(keys) + " | solver iterations | gradient error | counted | "
+             "protocol | commit (+: uncommitted changes) | threads | torch | device | started (UTC) | hours |",
+             "|" + "---|" * (15 + len(keys))]
+    for u in units:
+        cells = [fmt(value_of(u, k)) + spread(u, k) for k in keys]
+        why = exclusion(rules, family.name, u)
+        error = (u["value"].get("trust") or {}).get("gradient_rel_error")
+        lines.append(f"| {u['group']} | {u['variant']} | {u['seed']} | {' | '.join(cells)} | "
+                     f"{fmt(value_of(u, 'solver_iterations'), 1)} | {'–' if error is None else f'{error:.1%}'} | "
+                     f"{'**excluded**: ' + why if why else 'yes'} | {' | '.join(provenance(u))} |")
+    return lines + ["", "</details>", ""]
+
+
+def spread(unit: dict, key: str) -> str:
+    std = value_of(unit, f"{key}_std")
+    return "" if std is None else f" ± {fmt(std)}"
+
+
+def rerun_path(out: Path, family: str, group: str, variant: str, seed: int) -> Path:
+    """Where a rerun of a recorded unit is recorded (beside the units, never counted as one)."""
+    return out / family / group / "reruns" / f"{variant}_s{seed}.json"
+
+
+def reruns_table(family: Family, units: list[dict], out: Path) -> list[str]:
+    """The run-to-run spread: each recorded rerun of a unit against the unit (same seed, settings and arguments),
+    with both units' thread counts and commits."""
+    metric = family.metrics[0].key
+    rows = []
+    for u in units:
+        path = rerun_path(out, family.name, u["group"], u["variant"], u["seed"])
+        if not path.exists():
+            continue
+        again = json.loads(path.read_text())
+        a, b = value_of(u, metric), value_of(again, metric)
+        same = "**yes**" if a == b else "no"
+        threads = f"{u.get('threads', '–')} / {again.get('threads', '–')}"
+        commits = " / ".join(provenance(x)[1] for x in (u, again))
+        rows.append(f"| {u['group']} | {u['variant']} | {u['seed']} | {a!r} | {b!r} | {fmt(b - a, 3)} | {same} | "
+                    f"{threads} | {commits} |")
+    if not rows:
+        return [f"**Run-to-run spread**: no rerun recorded for these units yet (`python -m deqlab study --family "
+                f"{family.name} --rerun`).", ""]
+    return [f"**Run-to-run spread** (a unit run again with the same seed, settings and arguments; {metric}):", "",
+            "| data | variant | seed | unit | rerun | rerun - unit | bit-identical | threads (unit / rerun) | "
+            "commit (unit / rerun) |", "|" + "---|" * 9, *rows, ""]
+
+
+def sample_grids(family: Family, units: list[dict], out: Path, rel) -> list[str]:
+    """The sample grid of every seed of every variant: one row per variant."""
+    rows = []
+    for name in family.variants:
+        cells = [f"![{name} seed {u['seed']}]({rel(grid)})" for u in units if u["variant"] == name
+                 and (grid := out / family.name / u["group"] / f"{name}_s{u['seed']}.png").exists()]
+        if cells:
+            rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    width = max(row.count(" | ") for row in rows)
+    return ["Samples, every seed (columns: seeds in order):", "", "| variant |" + " |" * width,
+            "|" + "---|" * (width + 1), *rows, ""]

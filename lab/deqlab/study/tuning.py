@@ -1,0 +1,53 @@
+"""Each arm's learning rate by the protocol's rule (``learning_rate`` in the protocol and in each family's entry):
+the arm is trained at every rate of its family's grid at the tuning seeds (which no judged unit uses), with the
+unit's settings and without the test split; the rate whose validation figure is best at the weights the family
+evaluates is the arm's (a tie keeps the smaller rate). Tuning runs are recorded, and read back, like units
+(``<out>/<family>/<data>/tuning/<variant>_lr<rate>_s<seed>.json``), so a study that stops during tuning
+continues there.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .core import Family, UnitSettings, run_unit
+
+
+def validation_figure(unit: dict, rule: dict[str, Any]) -> float:
+    """A tuning run's figure: its validation series ``rule['validation']`` at the last validation (``at: last``)
+    or at its best (``at: best``, lowest or highest as ``rule['better']`` says)."""
+    series = [v for _, v in unit["value"]["validation"].get(rule["validation"], [])]
+    if not series:
+        raise RuntimeError(f"{unit['family']} {unit['variant']} tuning run logged no {rule['validation']}")
+    if rule["at"] == "last":
+        return series[-1]
+    return min(series) if rule["better"] == "lower" else max(series)
+
+
+def best_rate(figures: dict[float, list[float]], better: str) -> float:
+    """The rate of the best mean figure; a tie keeps the smaller rate."""
+    sign = 1.0 if better == "lower" else -1.0
+    return min(figures, key=lambda rate: (sign * sum(figures[rate]) / len(figures[rate]), rate))
+
+
+def tuned(family: Family, name: str) -> bool:
+    """Whether an arm's rate is tuned: every trained variant but another model class (no score network)."""
+    variant = family.variants[name]
+    return variant.trained and variant.role != "classical"
+
+
+def chosen_rate(family: Family, group: str, name: str, settings: UnitSettings, runs_root: Path, out: Path,
+                facts: dict[str, Any]) -> tuple[str, float] | None:
+    """(option, rate) of the arm's learning rate, its tuning runs run or read back; None where the protocol has no
+    rule, the family no grid, the settings do not tune, or the arm is not tuned (:func:`tuned`)."""
+    rule = settings.protocol.family(family.name).get("learning_rate")
+    if settings.learning_rate != "tuned" or rule is None or not tuned(family, name):
+        return None
+    figures: dict[float, list[float]] = {}
+    for rate in rule["grid"]:
+        for seed in settings.protocol.text["learning_rate"]["tuning_seeds"]:
+            unit = run_unit(family, group, name, seed, settings, runs_root, out, facts,
+                            learning_rate=(rule["option"], rate), kind="tuning")
+            figures.setdefault(rate, []).append(validation_figure(unit, rule))
+    return rule["option"], best_rate(figures, rule["better"])
