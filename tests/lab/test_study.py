@@ -420,3 +420,45 @@ def test_the_committed_results_page_is_what_the_report_writes(tmp_path, monkeypa
     text = report.write_page(tmp_path / "benchmarks" / "results" / "study", tmp_path / "docs" / "results.md",
                              list(FAMILIES.values()), copied)
     assert text == (core.ROOT / "docs" / "results.md").read_text()
+
+
+def test_a_unit_rerun_with_the_same_seed_code_and_threads_is_bit_identical(tmp_path):
+    """The same tiny DKEF unit trained and evaluated twice (fresh run directories, one process, the protocol's
+    thread count) gives the same metrics and learning curve bit for bit, and the page shows the rerun as such."""
+    units = run_study(tmp_path, "dkef", "--variants", "explicit")["dkef"]
+    reruns = run_study(tmp_path, "dkef", "--variants", "explicit", "--rerun")["dkef"]
+    assert reruns[0]["value"]["metrics"] == units[0]["value"]["metrics"]
+    assert reruns[0]["value"]["curves"] == units[0]["value"]["curves"]
+    assert (tmp_path / "out" / "dkef" / "redwine" / "reruns" / "explicit_s0.json").exists()
+    page = tmp_path / "results.md"
+    study.main(["--report", "--out", str(tmp_path / "out"), "--page", str(page)])
+    log_likelihood = units[0]["value"]["metrics"]["log_likelihood"]
+    assert f"| redwine | explicit | 0 | {log_likelihood!r} | {log_likelihood!r} | 0.000 | **yes** | 1 / 1 |" in \
+        page.read_text()
+
+
+def test_each_arm_trains_at_the_rate_its_validation_chose(tmp_path, monkeypatch):
+    """Tuning runs at every rate of the grid and the tuning seed (recorded under tuning/), then the unit at the
+    rate with the best validation figure; a tie keeps the smaller rate."""
+    from deqlab.study import tuning
+
+    assert tuning.best_rate({1e-3: [2.0], 3e-3: [1.0], 1e-2: [1.0]}, "lower") == 3e-3
+    assert tuning.best_rate({1e-3: [2.0], 3e-3: [1.0]}, "higher") == 1e-3
+    unit = {"family": "x", "variant": "y", "value": {"validation": {"val/loss": [[9, -1.0], [19, -3.0], [29, -2.0]]}}}
+    assert tuning.validation_figure(unit, {"validation": "val/loss", "better": "lower", "at": "best"}) == -3.0
+    assert tuning.validation_figure(unit, {"validation": "val/loss", "better": "lower", "at": "last"}) == -2.0
+    family, options_fit = FAMILIES["dkef"], declarations()["dkef"].study.tiny
+    figures = {1e-3: -1.0, 3e-3: -5.0, 1e-2: -2.0}  # validation losses by rate: 3e-3 is best
+    monkeypatch.setattr(tuning, "validation_figure", lambda unit, rule: figures[rate_of(unit)])
+    units = study.main(["--family", "dkef", "--budget", str(2 / family.iterations), "--runs-root",
+                        str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--variants", "explicit",
+                        *options_fit[0], "--extra", *QUIET, *options_fit[1]])["dkef"]
+    option = PROTOCOL.family("dkef")["learning_rate"]["option"]
+    assert f"{option}=0.003" in units[0]["value"]["arguments"] and units[0]["settings"]["learning_rate"] == "tuned"
+    tuned = sorted(p.name for p in (tmp_path / "out" / "dkef" / "redwine" / "tuning").glob("*.json"))
+    assert tuned == ["explicit_lr0.001_s1000.json", "explicit_lr0.003_s1000.json", "explicit_lr0.01_s1000.json"]
+
+
+def rate_of(unit: dict) -> float:
+    option = PROTOCOL.family(unit["family"])["learning_rate"]["option"]
+    return next(float(a.split("=")[1]) for a in unit["fit"]["arguments"] if a.startswith(f"{option}="))

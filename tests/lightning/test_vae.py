@@ -157,3 +157,24 @@ def test_fid_of_decoder_samples_during_training_and_from_sample_script(tmp_path)
     assert images.shape == (n, 1, 28, 28) and report["num_samples"] == n
     assert report["fid"] == pytest.approx(frechet_distance(image_stats(images, InceptionFeatures()), reference_stats),
                                           rel=1e-6)
+
+
+def test_a_smoke_validation_skips_ais_and_a_real_one_runs_it(tmp_path, monkeypatch):
+    """Lightning's sanity check before training and a fast_dev_run only check that the loop runs: the VAE skips
+    their AIS (minutes on a CPU; nothing they log is kept or monitored). A real validation scores it."""
+    calls = []
+
+    def counting_ais(log_lik, x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return ais_log_likelihood(log_lik, x, *args, **kwargs)
+
+    monkeypatch.setattr(vae_module, "ais_log_likelihood", counting_ais)
+    args = [*tiny_args(tmp_path, "configs/vae/explicit_mnist.yaml", "smoke"), "--trainer.max_steps", "3",
+            "--trainer.num_sanity_val_steps", "1", "--trainer.val_check_interval", "100",
+            "--trainer.check_val_every_n_epoch", "null"]
+    cli = main(["fit", *args])
+    assert calls == [] and cli.trainer.global_step == 3  # the sanity check ran without AIS, no validation after it
+    cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)
+    assert len(calls) == 1 and "val/ais_log_likelihood" in cli.trainer.callback_metrics
+    main(["fit", *tiny_args(tmp_path, "configs/vae/explicit_mnist.yaml", "dev"), "--trainer.fast_dev_run", "true"])
+    assert len(calls) == 1  # fast_dev_run's validation skipped it too

@@ -9,16 +9,19 @@ Run::
     python -m deqlab study --report                         # docs/results.md from the unit files
 
 The protocol (``benchmarks/protocol/v<N>.json``, the newest by default; :mod:`.protocol`) fixes each family's
-budget, the seeds of each variant, the evaluation sizes and the options every fit shares; ``--budget``,
-``--seeds`` and ``--set`` depart from it (for trials: the report marks such units off-protocol). Each
+budget, the seeds of each variant, the evaluation sizes, the options every fit shares, the learning-rate grid and
+the thread count; ``--budget``, ``--seeds``, ``--set`` and ``--config-rates`` depart from it (for trials: the
+report marks such units off-protocol, and refuses a seed the protocol does not list). Each arm's learning rate is
+chosen first from tuning runs (:mod:`.tuning`). Each
 (family, data set, variant, seed) is one unit: ``train.py fit`` of the variant's config for ``budget x`` the
 family's training iterations (run directory ``<runs-root>/<family>/<data>/<variant>_s<seed>``), then the family's
 evaluation of its final weights (see :mod:`deqlab.study.families`), recorded as
 ``<out>/<family>/<data>/<variant>_s<seed>.json``. A unit already recorded with the same settings is read back
 instead of run again, so a study longer than one sitting continues where it stopped (a run directory left by an
-interrupted unit is moved aside); a unit recorded with other settings is run again and replaced. Units run seed
-by seed, each seed's variants in the family's order, so an interrupted study has whole seeds of the first
-variants. ``--extra`` passes arguments to every fit.
+interrupted unit is moved aside); a unit recorded with other settings, config, arguments or code of the family is
+run again and replaced (:func:`.core.run_unit`). Units run seed by seed, each seed's variants in the family's
+order, so an interrupted study has whole seeds of the first variants. ``--rerun`` records the named units again
+under ``<data>/reruns/`` (the page's run-to-run spread). ``--extra`` passes arguments to every fit.
 """
 
 from __future__ import annotations
@@ -113,6 +116,22 @@ def units_in_order(groups: list[str], seeds: dict[str, list[int]]) -> list[tuple
             for variant, chosen_seeds in seeds.items() if seed in chosen_seeds]
 
 
+def run_plan(plan: Plan, runs_root: Path, out: Path, kind: str) -> dict[str, list[dict]]:
+    """Every unit of ``plan`` in order (:func:`units_in_order`), each arm's learning rate chosen first
+    (:func:`.tuning.chosen_rate`); ``kind``: ``unit``, or ``rerun`` to record them again under ``reruns/``."""
+    device = environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    facts = {"device": device["device"], "code": code_version(), "threads": torch.get_num_threads(),
+             "torch": torch.__version__}
+    results: dict[str, list[dict]] = {}
+    for family, groups, seeds, settings in plan:
+        results[family.name] = []
+        for group, variant, seed in units_in_order(groups, seeds):
+            rate = chosen_rate(family, group, variant, settings, runs_root, out, facts)
+            results[family.name].append(run_unit(family, group, variant, seed, settings, runs_root, out, facts,
+                                                 rate, kind))
+    return results
+
+
 def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
     parser = OneLineParser(prog="python -m deqlab study", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -145,21 +164,16 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
     except ProtocolError as err:
         parser.error(str(err))
     plan = plan_of(parser, args, protocol)
-    out, runs_root = Path(args.out), Path(args.runs_root)
+    out = Path(args.out)
+    threads = torch.get_num_threads()
     if plan:
         import_run_code()
         if protocol.text.get("threads"):  # a unit's numbers depend on the thread count: the protocol fixes it
             torch.set_num_threads(protocol.text["threads"])
-    device = environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    facts = {"device": device["device"], "code": code_version(), "threads": torch.get_num_threads(),
-             "torch": torch.__version__}
-    results: dict[str, list[dict]] = {}
-    for family, groups, seeds, settings in plan:
-        results[family.name] = []
-        for group, variant, seed in units_in_order(groups, seeds):
-            rate = chosen_rate(family, group, variant, settings, runs_root, out, facts)
-            results[family.name].append(run_unit(family, group, variant, seed, settings, runs_root, out, facts,
-                                                 rate, "rerun" if args.rerun else "unit"))
+    try:
+        results = run_plan(plan, Path(args.runs_root), out, "rerun" if args.rerun else "unit")
+    finally:
+        torch.set_num_threads(threads)
     if args.report:
         try:
             print(write_page(out, Path(args.page), list(families().values()), protocol))

@@ -16,7 +16,6 @@ own); ``rules`` the protocol whose judging rules apply (the newest).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from .core import Family, seed_curve, value_of
@@ -47,11 +46,11 @@ def check_seeds(design: Protocol, units: list[dict]) -> None:
 
 def exclusion(rules: Protocol, family: str, unit: dict) -> str | None:
     """Why ``unit`` is left out of its arm's verdict (its log Z rests on too few effective draws), or None."""
-    log_z = rules.family(family).get("log_z")
+    minimum = rules.family(family)["evaluation"].get("log_z_ess_min")
     ess = value_of(unit, "log_z_ess")
-    if log_z is None or ess is None or ess >= log_z["ess_min"]:
+    if minimum is None or ess is None or ess >= minimum:
         return None
-    return f"log Z ESS {ess:.3g} < {log_z['ess_min']}"
+    return f"log Z ESS {ess:.3g} < {minimum}"
 
 
 def arm_seeds(design: Protocol, rules: Protocol, units: list[dict], family: Family, group: str,
@@ -159,5 +158,3 @@ def power_text(test) -> str:
             f"difference were the observed one{more}")
 
 
-def is_finite(x: float | None) -> bool:
-    return x is not None and math.isfinite(x)

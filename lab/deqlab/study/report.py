@@ -72,8 +72,9 @@ def load_units(out: Path, family: Family, protocol: Protocol) -> dict[int, tuple
 def on_protocol(family: Family, protocol: Protocol, settings: dict) -> bool:
     """Whether units of ``settings`` ran as the protocol says (budget, evaluation, fit options, no extras)."""
     entry = protocol.family(family.name)
+    tuned = "learning_rate" not in protocol.text or settings.get("learning_rate") == "tuned"
     return (settings["budget"] == entry["budget"] and settings["evaluation"] == entry["evaluation"]
-            and settings["fit"] == entry["fit"] and not settings["extra"])
+            and settings["fit"] == entry["fit"] and not settings["extra"] and tuned)
 
 
 def recorded_under(units: list[dict], design: Protocol) -> str:
