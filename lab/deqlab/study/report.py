@@ -168,16 +168,19 @@ def arm_table(family: Family, design: Protocol, rules: Protocol, units: list[dic
     """Per arm: its protocol seeds (missing and excluded named), the mean and standard error over the counted
     seeds, its validation curve's label and its run facts."""
     header = [m.label for m in family.metrics]
-    lines = ["| data | variant | role | seeds | " + " | ".join(header) + " | validation curve | parameters | "
-             "activation memory (MiB) | s / iteration | solver iterations | IFT misses |",
-             "|" + "---|" * (10 + len(header))]
+    lines = ["| data | variant | role | seeds | " + " | ".join(header) + " | validation curve | learning rate | "
+             "parameters | activation memory (MiB) | s / iteration | solver iterations | IFT misses |",
+             "|" + "---|" * (11 + len(header))]
+    rule = rules.family(family.name).get("learning_rate")
     for s in summaries:
         variant = family.variants[s["variant"]]
         arm = arm_seeds(design, rules, units, family, s["group"], s["variant"])
         params = s.get("parameters", {}).get("mean")
         label = label_text(curve_label(rules, units, s["group"], s["variant"]))
+        rates = sorted({a.split("=", 1)[1] for u in arm["counted"] for a in u["value"].get("arguments", [])
+                        if rule and a.startswith(f"{rule['option']}=")}) or ["the config's"]
         lines.append(f"| {s['group']} | {s['variant']} | {variant.role} | {seeds_cell(arm)} | "
-                     f"{' | '.join(mean_cell(s, m.key) for m in family.metrics)} | {label} | "
+                     f"{' | '.join(mean_cell(s, m.key) for m in family.metrics)} | {label} | {', '.join(rates)} | "
                      f"{'–' if params is None else f'{params:,.0f}'} | {mean_cell(s, 'activation_memory_mb', 2)} | "
                      f"{mean_cell(s, 'seconds_per_iteration', 3)} | {mean_cell(s, 'solver_iterations', 1)} | "
                      f"{mean_cell(s, 'ift_backward_failures', 2)} |")
