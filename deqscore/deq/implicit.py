@@ -28,6 +28,7 @@ from typing import Protocol
 
 import torch
 from torch import Tensor, nn
+from torch._C._functorch import is_legacy_batchedtensor
 from torch.func import functional_call, vjp
 
 Value = Callable[..., Tensor]  # value(z, *tensors) -> f(z; tensors), differentiable in all its arguments
@@ -81,33 +82,74 @@ class FixedPoint(torch.autograd.Function):
     (a tensor or None) is only the solver's initial guess. See the module docstring."""
 
     @staticmethod
-    def forward(ctx, level: Level, start: Tensor | None, *tensors: Tensor) -> Tensor:
-        z = level.solve(tensors, start)
+    def forward(level: Level, start: Tensor | None, *tensors: Tensor) -> Tensor:
+        return level.solve(tensors, start)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: Tensor) -> None:
+        level, _, *tensors = inputs
         ctx.level = level
-        ctx.save_for_backward(z, *tensors)
-        return z
+        ctx.save_for_backward(output, *tensors)
+
+    @staticmethod
+    def vmap(info, in_dims: tuple, level: Level, start: Tensor | None, *tensors: Tensor) -> tuple[Tensor, int]:
+        """Under ``vmap`` (``autograd.grad(..., is_grads_batched=True)`` batches the incoming gradients): one solve
+        per batch entry (a solver's stopping test cannot be batched)."""
+
+        def entry(t: Tensor | None, dim: int | None, i: int) -> Tensor | None:
+            return t if t is None or dim is None else t.select(dim, i)
+
+        solutions = [FixedPoint.apply(level, entry(start, in_dims[1], i),
+                                      *(entry(t, d, i) for t, d in zip(tensors, in_dims[2:], strict=True)))
+                     for i in range(info.batch_size)]
+        return torch.stack(solutions), 0
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
         z, *tensors = ctx.saved_tensors
-        level: Level = ctx.level
+        needed = ctx.needs_input_grad[2:]
         with torch.autocast(z.device.type, enabled=False):  # the nest runs in the forward's (float32) precision
-            adjoint = level.adjoint()
-            w = FixedPoint.apply(adjoint, None, z, grad.to(z.dtype), *tensors)
-            wanted = [i for i, needed in enumerate(ctx.needs_input_grad[2:]) if needed]
-            parts: list[Tensor | None] = [None] * len(tensors)
-            if wanted:
-
-                def value_of_wanted(*picked: Tensor) -> Tensor:
-                    full = list(tensors)
-                    for i, t in zip(wanted, picked, strict=True):
-                        full[i] = t
-                    return level.value(z, *full)
-
-                _, pull = vjp(value_of_wanted, *(tensors[i] for i in wanted))
-                for i, part in zip(wanted, pull(w), strict=True):
-                    parts[i] = part
+            if is_legacy_batchedtensor(grad):  # autograd.grad(..., is_grads_batched=True)
+                parts = _per_entry(lambda g: _pullback(ctx.level, needed, z, tensors, g), grad)
+            else:
+                parts = _pullback(ctx.level, needed, z, tensors, grad)
         return (None, None, *parts)
+
+
+def _pullback(level: Level, needed: Sequence[bool], z: Tensor, tensors: Sequence[Tensor],
+              grad: Tensor) -> list[Tensor | None]:
+    """``vjp_{tensors} value(z*, tensors) [w]`` with ``w = J^T w + grad`` solved by :class:`FixedPoint` (so that a
+    derivative of this is again an implicit solve); None for the tensors that need no gradient."""
+    w = FixedPoint.apply(level.adjoint(), None, z, grad.to(z.dtype), *tensors)
+    wanted = [i for i, need in enumerate(needed) if need]
+    parts: list[Tensor | None] = [None] * len(tensors)
+    if not wanted:
+        return parts
+
+    def value_of_wanted(*picked: Tensor) -> Tensor:
+        full = list(tensors)
+        for i, t in zip(wanted, picked, strict=True):
+            full[i] = t
+        return level.value(z, *full)
+
+    _, pull = vjp(value_of_wanted, *(tensors[i] for i in wanted))
+    for i, part in zip(wanted, pull(w), strict=True):
+        parts[i] = part
+    return parts
+
+
+def _per_entry(pullback: Callable[[Tensor], list[Tensor | None]], grad: Tensor) -> list[Tensor | None]:
+    """``pullback`` of a gradient batched by ``autograd.grad(..., is_grads_batched=True)``, entry by entry.
+
+    That option runs the backward under PyTorch's legacy vmap, where a solver's stopping test cannot run: the
+    batch is taken out (``torch._remove_batch_dim`` at the current vmap level, which the legacy vmap does not
+    expose otherwise), each entry's adjoint solved on its own, and the results batched again."""
+    level = torch._C._vmapmode_increment_nesting() - 1
+    torch._C._vmapmode_decrement_nesting()
+    entries = torch._remove_batch_dim(grad, level, 1, 0)
+    results = [pullback(g) for g in entries.unbind(0)]
+    return [None if parts[0] is None else torch._add_batch_dim(torch.stack(parts), 0, level)
+            for parts in zip(*results, strict=True)]
 
 
 def map_value(func: nn.Module, names: Sequence[str]) -> Value:

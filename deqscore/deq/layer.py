@@ -55,7 +55,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from ..errors import ConfigError, check_count, check_real, choice_error
+from ..errors import check_count, check_real, choice_error
 from .implicit import FixedPoint, Level, direct_fixed_point, is_affine, map_value
 from .solvers import Solver, SolverStats, check_every_count, check_stopping, get_solver, picard, residual_stats
 
@@ -65,7 +65,7 @@ BACKWARD_MODES = ("phantom", "unroll", "ift", "implicit")
 MAX_DERIVATIVE_ORDER: dict[str, int | None] = {"phantom": None, "unroll": None, "ift": 1, "implicit": None}
 
 
-def _check_backward(backward: str) -> None:
+def check_backward(backward: str) -> None:
     if backward not in BACKWARD_MODES:
         raise choice_error("DEQ backward", backward, BACKWARD_MODES)
 
@@ -132,7 +132,7 @@ class DEQ(nn.Module):
         super().__init__()
         get_solver(solver)  # fail early on unknown names
         check_stopping(tol, stop_mode)
-        _check_backward(backward)
+        check_backward(backward)
         _check_counts(max_iter, phantom_steps, ift_max_iter)
         check_real("DEQ phantom_damping", phantom_damping, high=1.0)
         check_real("DEQ ift_tol", ift_tol)
@@ -349,7 +349,8 @@ class DEQ(nn.Module):
                 raise SecondOrderIFTError(
                     "DEQ backward='ift' cannot be differentiated twice: a score-matching loss (exact SM, "
                     "SSM, SSM-VR, DSM on an energy) takes create_graph=True derivatives through the layer "
-                    "and would get silently wrong parameter gradients. Use backward='phantom' (or 'unroll')."
+                    "and would get silently wrong parameter gradients. Use backward='implicit' (exact), 'phantom' "
+                    "or 'unroll'."
                 )
             # Solve g = J^T g + grad, J = d func / d z at the fixed point, by fixed-point iteration.
             g = grad
@@ -410,53 +411,3 @@ def _float32_solve(u: torch.Tensor) -> Iterator[Callable[[torch.Tensor], torch.T
 
 
 DEQFactory = Callable[[nn.Module], DEQ]  # DEQ options bound (a config's ``deq:``), the fixed-point map still to come
-
-
-def require_backward(module: nn.Module, order: int, user: str) -> None:
-    """Raise :class:`~deqscore.errors.ConfigError` if a DEQ layer inside ``module`` uses a backward mode that
-    cannot give derivatives of ``order`` through it (1: a parameter gradient; 2: a parameter gradient of an input
-    derivative, as every score-matching loss of an energy takes). ``user`` names what asks (a loss, a model).
-
-    This is the one place that decides which backward modes a model may use; a wrong choice would otherwise give
-    silently wrong gradients.
-
-    >>> from torch import nn
-    >>> class Map(nn.Module):
-    ...     def forward(self, z, u):
-    ...         return 0.5 * z + u
-    >>> require_backward(DEQ(Map(), backward="ift"), order=1, user="loss 'dsm'")  # first order: fine
-    >>> require_backward(DEQ(Map(), backward="ift"), order=2, user="loss 'ssm'")  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    deqscore.errors.ConfigError: DEQ backward='ift' cannot be used with loss 'ssm': ... 'phantom', 'unroll'
-    """
-    for layer in module.modules():
-        if not isinstance(layer, DEQ):
-            continue
-        limit = MAX_DERIVATIVE_ORDER[layer.backward]
-        if limit is not None and order > limit:
-            accepted = ", ".join(repr(m) for m, cap in MAX_DERIVATIVE_ORDER.items() if cap is None or cap >= order)
-            raise ConfigError(
-                f"DEQ backward={layer.backward!r} cannot be used with {user}: it differentiates through the DEQ "
-                f"{order} times, {layer.backward!r} gives correct derivatives of order {limit} only "
-                f"(docs/method.md section 2.5); accepted backward: {accepted}"
-            )
-
-
-@contextmanager
-def deq_backward(module: nn.Module, backward: str) -> Iterator[None]:
-    """Temporarily set the backward mode of every DEQ layer inside ``module``.
-
-    Used to evaluate a second-order metric (e.g. exact SM) of a model trained with ``backward="ift"``:
-    ``"unroll"`` gives the exact derivatives of the converged layer.
-    """
-    _check_backward(backward)
-    layers = [m for m in module.modules() if isinstance(m, DEQ)]
-    saved = [m.backward for m in layers]
-    for m in layers:
-        m.backward = backward
-    try:
-        yield
-    finally:
-        for m, mode in zip(layers, saved, strict=True):
-            m.backward = mode

@@ -36,7 +36,7 @@ class DKEFDEQMap(nn.Module):
         return self.scaled_weight()
 
     def forward(self, z: Tensor, u: Tensor) -> Tensor:
-        return F.linear(z, self.affine_weight()) + u
+        return F.linear(z, self.scaled_weight()) + u
 
 
 class DEQFeatureBody(nn.Module):
