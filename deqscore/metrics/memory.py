@@ -43,14 +43,14 @@ def _saved_tensors(node: torch.autograd.graph.Node) -> list[torch.Tensor]:
                 continue
             found.extend(value if isinstance(value, (list, tuple)) else [value])
     return [t for t in found if isinstance(t, torch.Tensor) and not is_functorch_wrapped_tensor(t)
-            and not _python_number(t)]
+            and not _lone_scalar(t)]
 
 
-def _python_number(t: torch.Tensor) -> bool:
-    """A Python number an operation wrapped as a 0-d CPU tensor (``y * 3`` saves 3): not an activation (the
-    saved-tensor hooks never saw one); a genuine 0-d tensor of these types left out with it is at most 16 bytes."""
-    return (t.dim() == 0 and t.device.type == "cpu" and t.grad_fn is None and not t.requires_grad
-            and t.dtype in (torch.int64, torch.float64, torch.complex128))
+def _lone_scalar(t: torch.Tensor) -> bool:
+    """A 0-d tensor with a storage of its own. An operation with a Python number (``y * 3``) saves the number as
+    one: no activation (saved-tensor hooks never saw one), and not to be told apart from a genuine 0-d tensor, which
+    is left out with it (a few bytes)."""
+    return t.dim() == 0 and _storage_nbytes(t) <= t.element_size()
 
 
 def _storage_nbytes(t: torch.Tensor) -> int:
