@@ -1,6 +1,6 @@
 """DEQ engine: solvers, the DEQ layer and contraction helpers."""
 
-from .backward import deq_backward, require_backward
+from .backward import deq_backward, exact_gradients, require_backward
 from .layer import (
     BACKWARD_MODES,
     DEQ,
@@ -29,6 +29,7 @@ __all__ = [
     "SpectralCap",
     "available_solvers",
     "deq_backward",
+    "exact_gradients",
     "frobenius_scale",
     "get_solver",
     "register_solver",

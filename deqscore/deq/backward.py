@@ -1,11 +1,13 @@
-"""Which backward modes a model may use (:func:`require_backward`, the one place that decides it) and switching
-them for an evaluation (:func:`deq_backward`)."""
+"""Which backward modes a model may use (:func:`require_backward`, the one place that decides it), switching
+them for an evaluation (:func:`deq_backward`), and the exact parameter gradient a trained DEQ's own is measured
+against (:func:`exact_gradients`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
+import torch
 from torch import nn
 
 from ..errors import ConfigError
@@ -60,3 +62,15 @@ def deq_backward(module: nn.Module, backward: str) -> Iterator[None]:
     finally:
         for m, mode in zip(layers, saved, strict=True):
             m.backward = mode
+
+
+def exact_gradients(module: nn.Module, objective: Callable[[], torch.Tensor],
+                    params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
+    """``objective()`` and its gradient in ``params`` with every DEQ layer of ``module`` switched to
+    ``backward="implicit"``: the derivatives of the exact fixed point, at any order, at the memory of a few map
+    evaluations (docs/method.md 2.9). The reference against which a phantom gradient's error is measured; make
+    ``objective`` draw the same random numbers at each call (seed inside it) to compare it with another mode."""
+    with deq_backward(module, "implicit"), torch.enable_grad():
+        value = objective()
+        grads = torch.autograd.grad(value, list(params), allow_unused=True)
+    return value.detach(), grads

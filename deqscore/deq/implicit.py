@@ -7,7 +7,7 @@ autograd Function whose forward solves a problem without a graph, and whose back
 operations, solves the adjoint problem *with the same Function* and returns ``vjp_{inputs} f [w]``. A derivative of
 that backward (``create_graph=True``: second, third ... derivatives) therefore meets a Function node again: every
 further order is one more implicit solve, nothing of any solver's iterations is recorded, and the derivatives are
-those of the exact fixed point to the solves' tolerance (the design of ``jax.lax.custom_root``; docs/method.md 2.6).
+those of the exact fixed point to the solves' tolerance (the design of ``jax.lax.custom_root``; docs/method.md 2.9).
 
 The partials of the map at the fixed point are taken with :func:`torch.func.vjp` on a function of explicit
 tensors (``z`` an argument of its own, the map's parameters passed through :func:`torch.func.functional_call`):

@@ -11,7 +11,7 @@ from torch import nn
 from torch.autograd import gradcheck, gradgradcheck
 from torch.func import functional_call
 
-from deqscore.deq import DEQ, DEQConvergenceWarning, deq_backward, require_backward
+from deqscore.deq import DEQ, DEQConvergenceWarning, deq_backward, exact_gradients, require_backward
 from deqscore.metrics import SavedTensorMeter
 
 from .helpers import LinearMap, TanhMap
@@ -157,3 +157,20 @@ def test_require_backward_accepts_implicit_at_any_order_and_deq_backward_switche
     with deq_backward(net, "implicit"):
         assert _rel(_ssm_gradient(net[0], x), exact) < 1e-9
     assert net[0].backward == "phantom"
+
+
+def test_exact_gradients_is_the_unrolled_gradient_of_a_phantom_model_and_leaves_its_mode():
+    deq, x = _layer("phantom", phantom_steps=2), _x()
+    params = list(deq.parameters())
+
+    def objective():
+        z = deq(x)
+        (s,) = torch.autograd.grad((z.pow(2) + z * x).sum(), x, create_graph=True)
+        return s.pow(2).sum()
+
+    value, grads = exact_gradients(deq, objective, params)
+    with deq_backward(deq, "unroll"):
+        deq.solver, deq.tol, deq.max_iter = "picard", 1e-13, 3000
+        want = torch.autograd.grad(objective(), params)
+    assert deq.backward == "phantom" and _rel(grads, want) < 1e-9
+    assert _rel(torch.autograd.grad(objective(), params), want) > 1e-2  # the phantom gradient is another one
