@@ -125,6 +125,7 @@ PROGRAMS = {
     "deq_vs_ffn": "deqscore.bench.deq_vs_ffn",  # DEQ against feed-forward networks on steep functions
     "kernels": "deqscore.bench.kernels",  # kernel regression with the DEQ kernels
     "sync": "deqscore.bench.sync",  # host syncs and the sync-free step
+    "gpu": "deqscore.bench.gpu",  # the one GPU command: step rows per family, image families trained to digits
 }
 
 
