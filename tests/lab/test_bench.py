@@ -367,7 +367,7 @@ def test_nice_rows_are_the_configs_modules(result):
         assert rows[v.label]["params"] == parameter_count(build(v.config, options(QUICK, v)))
 
 
-@pytest.mark.parametrize("program", ["study", "deq_vs_ffn", "kernels", "sync"])
+@pytest.mark.parametrize("program", ["study", "deq_vs_ffn", "kernels", "sync", "gpu"])
 def test_one_benchmark_program_runs_every_other_by_name(program, monkeypatch):
     """``python -m deqlab <program> ARGS`` hands ARGS to that program's own main."""
     import importlib
@@ -384,7 +384,7 @@ def test_one_benchmark_program_runs_every_other_by_name(program, monkeypatch):
     (["--sections", "solvers,bogus"], "python -m deqlab: error: --sections: unknown sections ['bogus']"),
     (["--repeats", "x"], "python -m deqlab: error: argument --repeats: invalid int value: 'x'"),
     *[([program, "--no-such-option"], f"python -m deqlab {program}: error: unrecognized arguments")
-      for program in ("study", "deq_vs_ffn", "kernels", "sync")],
+      for program in ("study", "deq_vs_ffn", "kernels", "sync", "gpu")],
 ])
 def test_every_benchmark_programs_usage_error_is_one_line_naming_it(argv, words, capsys, tmp_path):
     with pytest.raises(SystemExit) as info:
