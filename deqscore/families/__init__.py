@@ -2,15 +2,14 @@
 
 A family is its model file, its module file (a :class:`~deqscore.lightning.ScoreModule` subclass, which registers
 itself for training), its config folder and its declaration here: a module ``deqscore/families/<name>.py`` holding
-``DECLARATION``, a :class:`Declaration`. Optionally, a benchmark file (``Declaration.bench``) with the family's
-benchmark section (``section``) and its study evaluation (``evaluate``).
+``DECLARATION``, a :class:`Declaration`.
 
-What reads the declarations: the benchmark's sections and its depth section (:mod:`deqscore.bench`), the study
-(:mod:`deqscore.bench.study`) and the tests' fixtures (every config of the folder, shrunk by ``tiny``). A test checks
+What reads the declarations: the training registry, the tests' fixtures (every config of the folder, shrunk by
+``tiny``) and the laboratory (``lab/``: the benchmarks and the study; the library never imports it). A test checks
 that the declarations, the training registry and the config folders name the same families.
 
 The declarations are data (class paths and config names as text); the package sits on the floor above the Lightning
-layer, whose constants it may name, and below the benchmarks and the command-line programs that read it.
+layer, whose constants it may name, and below the command-line programs that read it.
 """
 
 from __future__ import annotations
@@ -113,7 +112,6 @@ class Declaration:
     module: str  # class path of its ScoreModule
     configs: dict[str, str]  # role -> config file in configs/<name>/
     tiny: Tiny  # overrides that shrink any of its configs to seconds on a CPU
-    bench: str | None = None  # module path of its benchmark file: ``section(settings)``, ``evaluate(...)``
     depth: dict[str, Depth] = field(default_factory=dict)
     study: Study | None = None
     extra_configs: tuple[str, ...] = ()  # configs of the family outside its folder (the demo)

@@ -38,7 +38,6 @@ DECLARATION = Declaration(
              "reference": "deq_reference.yaml"},
     tiny=tiny,
     phantom_probe=phantom_probe,
-    bench="deqscore.bench.dkef",
     depth={"dkef": Depth(
         "DKEF feature net", "configs/dkef/deq.yaml",
         {"full": {"net.dim": 11}, "quick": {"net.dim": 11, "net.hidden": 8, "net.n_centres": 10}},

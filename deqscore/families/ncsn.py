@@ -47,7 +47,6 @@ DECLARATION = Declaration(
     configs={"shallow": "explicit_mnist.yaml", "deep": "ncsnv2_mnist.yaml", "deq": "deq_mnist.yaml"},
     tiny=tiny,
     phantom_probe=phantom_probe,
-    bench="deqscore.bench.ncsn",
     depth={"ncsn": Depth(
         "NCSN body (MNIST)", "configs/ncsn/deq_mnist.yaml",
         {"full": {"net.dim": 784}, "quick": {"net.dim": 64, "net.ngf": 4, "n_levels": 3}},

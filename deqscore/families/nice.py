@@ -42,7 +42,6 @@ DECLARATION = Declaration(
     extra_configs=("configs/demo.yaml",),
     tiny=tiny,
     phantom_probe=phantom_probe,
-    bench="deqscore.bench.nice",
     depth={"nice": Depth(
         "NICE m-net", "configs/nice/deq.yaml",
         {"full": {"net.dim": 784}, "quick": {"net.dim": 16, "net.hidden": 16, "net.n_couplings": 2}},

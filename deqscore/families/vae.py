@@ -49,7 +49,6 @@ DECLARATION = Declaration(
     configs={"shallow": "explicit_mnist.yaml", "deep": "explicit_deep_mnist.yaml", "deq": "deq_mnist.yaml"},
     tiny=tiny,
     phantom_probe=phantom_probe,
-    bench="deqscore.bench.vae",
     depth={
         "vae_mlp": Depth(
             "VAE score net (MNIST MLP)", "configs/vae/deq_mnist.yaml",
