@@ -59,12 +59,13 @@ def test_files_and_sections(result):
 
 def test_deq_rows_run_exactly_the_requested_iterations(result):
     for row in _rows(result[1], "memory_vs_iterations"):
-        if row["model"] in ("phantom", "unroll"):
+        if row["model"] in ("phantom", "unroll", "implicit"):
             assert row["solver_iters"] == row["n"]
 
 
-def test_phantom_memory_is_flat_in_iterations(result):
-    mem = _memory(result[1], "phantom")
+@pytest.mark.parametrize("model", ["phantom", "implicit"])
+def test_phantom_and_implicit_memory_are_flat_in_iterations(result, model):
+    mem = _memory(result[1], model)
     assert sorted(mem) == sorted(QUICK.mem_iterations)
     assert max(mem.values()) <= 1.05 * min(mem.values())
 
@@ -97,6 +98,18 @@ def test_targets_computed_from_measurements(result):
     phantom, unroll = _memory(result[1], "phantom"), _memory(result[1], "unroll")
     assert ratio["value"] == pytest.approx(phantom[32] / unroll[32])
     assert ratio["pass"] == ("PASS" if ratio["value"] <= 0.1 else "FAIL")
+
+
+def test_implicit_section_has_every_family_s_rows_and_ratios(result):
+    rows = _rows(result[1], "implicit")
+    families = {r["family"] for r in rows}
+    assert len(families) >= 4
+    for family in families:
+        variants = [r["variant"] for r in rows if r["family"] == family]
+        assert variants[0] == "explicit shallow" and "DEQ, implicit" in variants
+        assert all(r["act_mib"] > 0 for r in rows if r["family"] == family)
+    shallow = next(r for r in rows if r["variant"] == "explicit shallow")
+    assert shallow["act_ratio"] == "1.000x"
 
 
 def test_solver_rows_report_convergence(result):
