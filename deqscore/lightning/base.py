@@ -189,7 +189,11 @@ class ScoreModule(NonFiniteStops, pl.LightningModule):
         stats = [d.stats for d in self.deq_layers() if d.stats is not None]
         if not stats:
             return {}
-        return {**self._solve_stats(stats), **self._ift_stats()}
+        # backward="implicit": the last adjoint solve of every nesting level (of the previous step's parameter
+        # gradient, and of this step's own input derivatives), logged as deq/adjoint_*
+        adjoint = [s for d in self.deq_layers() for s in d.adjoint_stats.values()]
+        return {**self._solve_stats(stats), **(self._solve_stats(adjoint, "deq/adjoint_") if adjoint else {}),
+                **self._ift_stats()}
 
     def _ift_stats(self) -> dict[str, torch.Tensor]:
         """``deq/ift_backward_failures``: the fraction of IFT backward solves so far (since the start or the resume)
@@ -201,22 +205,22 @@ class ScoreModule(NonFiniteStops, pl.LightningModule):
         return {"deq/ift_backward_failures": total[1] / total[0]}
 
     @staticmethod
-    def _solve_stats(stats: list) -> dict[str, float | torch.Tensor]:
+    def _solve_stats(stats: list, prefix: str = "deq/") -> dict[str, float | torch.Tensor]:
         if any(s.deferred for s in stats):  # device tensors (check_every != 1): logged without a host sync
             device = next(s.converged.device for s in stats if s.deferred)
             as_t = lambda v: torch.as_tensor(v, dtype=torch.float32).to(device)  # noqa: E731
             return {
                 # a fill kernel, not a host-to-device copy (which would wait for the device)
-                "deq/nstep": torch.full((), sum(s.nstep for s in stats) / len(stats), device=device),
-                "deq/abs_residual": torch.stack([as_t(s.abs_residual) for s in stats]).max(),
-                "deq/rel_residual": torch.stack([as_t(s.rel_residual) for s in stats]).max(),
-                "deq/converged": torch.stack([as_t(s.converged) for s in stats]).min(),
+                f"{prefix}nstep": torch.full((), sum(s.nstep for s in stats) / len(stats), device=device),
+                f"{prefix}abs_residual": torch.stack([as_t(s.abs_residual) for s in stats]).max(),
+                f"{prefix}rel_residual": torch.stack([as_t(s.rel_residual) for s in stats]).max(),
+                f"{prefix}converged": torch.stack([as_t(s.converged) for s in stats]).min(),
             }
         return {
-            "deq/nstep": sum(s.nstep for s in stats) / len(stats),
-            "deq/abs_residual": max(s.abs_residual for s in stats),
-            "deq/rel_residual": max(s.rel_residual for s in stats),
-            "deq/converged": float(all(s.converged for s in stats)),
+            f"{prefix}nstep": sum(s.nstep for s in stats) / len(stats),
+            f"{prefix}abs_residual": max(s.abs_residual for s in stats),
+            f"{prefix}rel_residual": max(s.rel_residual for s in stats),
+            f"{prefix}converged": float(all(s.converged for s in stats)),
         }
 
     def loss_terms(self, x: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -5,7 +5,7 @@ Run::
     python -m deqlab                       # full sizes (NICE m-net 392/1000, batch 128); minutes on CPU
     python -m deqlab --quick               # small sizes, a few seconds (CI, tests)
     python -m deqlab --device cpu --repeats 3 --sections memory_vs_iterations,solvers --out DIR
-    python -m deqlab study --family dkef      # the other programs: study, deq_vs_ffn, kernels, sync,
+    python -m deqlab study --family dkef      # the other programs: study, deq_vs_ffn, kernels, sync, gpu,
     python -m deqlab deq_vs_ffn --report-only # each with its own options (``<program> --help``)
 
 It writes ``bench.md`` (markdown tables) and ``bench.json`` (the same numbers) to ``--out`` (default

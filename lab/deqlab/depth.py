@@ -8,7 +8,9 @@ module as training does and measures one training step (the config's loss, forwa
   map the DEQ iterates, applied in turn from ``z = 0`` with the same injection ``u``; the explicit net and the DEQ
   then differ only in weight tying and in how the stack is differentiated;
 * **DEQ, K phantom steps** (K = 1, 2, 4) at 8, 32 and 128 solver iterations (a tolerance no solve meets forces
-  them), the phantom backward of the config otherwise.
+  them), the phantom backward of the config otherwise;
+* **DEQ, implicit**: the exact backward of every order (docs/method.md 2.9) at the same iterations (forward and
+  adjoint solves alike).
 
 The DEQ's *effective depth* is the solver's mean iteration count at the config's tolerance on a batch of real
 data after a short training run of the config (the entry's ``train_args``), marked on the plots. One PNG per family
@@ -156,6 +158,12 @@ def family_rows(family: Depth, mode: str) -> list[dict]:
             m = _measure(family, mode, opts, None)
             rows.append({"variant": f"DEQ, K = {k}", "phantom_steps": k, "iterations": iters, **m})
             log(f"depth: {family.label}: DEQ K={k}, {iters} iterations: {m['act_mib']:.2f} MiB")
+    for iters in ITERATIONS[mode]:  # the exact backward (docs/method.md 2.9): flat in the iterations too
+        opts = {"net.deq.backward": "implicit", "net.deq.max_iter": iters, "net.deq.tol": FORCED_TOL,
+                "net.deq.warn_on_nonconvergence": False}
+        m = _measure(family, mode, opts, None)
+        rows.append({"variant": "DEQ, implicit", "iterations": iters, **m})
+        log(f"depth: {family.label}: DEQ implicit, {iters} iterations: {m['act_mib']:.2f} MiB")
     return rows
 
 

@@ -126,6 +126,7 @@ PROGRAMS = {
     "deq_vs_ffn": "deqlab.deq_vs_ffn",  # DEQ against feed-forward networks on steep functions
     "kernels": "deqlab.kernels.regression",  # kernel regression with the DEQ kernels
     "sync": "deqlab.sync",  # host syncs and the sync-free step
+    "gpu": "deqlab.gpu",  # the one GPU command: step rows per family, image families trained to digits
 }
 
 

@@ -16,6 +16,7 @@ from deqscore.models import DEQMNet, explicit_mlp
 
 from .depth import depth as depth_section
 from .families import family_file
+from .implicit import section as implicit_section
 from .measure import CouplingDensity, log, make_inputs, measure_step, ssm_loss, timed
 from .report import Column, Table
 from .settings import FORCED_TOL, MAIN_SOLVER_BLOCK, RANDOM_INIT_BLOCK, SOLVERS, Settings
@@ -38,7 +39,7 @@ def _deq_net(d_in: int, hidden: int, **deq_kwargs) -> DEQMNet:
 def _memory_models(s: Settings) -> list[tuple[str, int, nn.Module]]:
     """(model, iterations or depth, m-net) for every row."""
     rows: list[tuple[str, int, nn.Module]] = []
-    for mode in ("phantom", "unroll"):
+    for mode in ("phantom", "unroll", "implicit"):
         for n in s.mem_iterations:
             kw = {"phantom_steps": s.mem_phantom_steps} if mode == "phantom" else {}
             torch.manual_seed(s.seed)
@@ -67,7 +68,8 @@ def memory_vs_iterations(s: Settings, device: torch.device) -> Table:
         f"{s.mem_d_in} (depth = hidden {s.mem_hidden}x{s.mem_hidden} layers); batch {s.mem_batch}, float32, "
         f"inputs {source}. Step = `sliced_score_matching(score_from_log_prob(logp), x).mean().backward()`.",
         f"DEQ rows: Picard forced to exactly N iterations (tol {FORCED_TOL:g}); `phantom` runs them under no_grad "
-        f"and re-attaches K={s.mem_phantom_steps} steps, `unroll` records every iteration.",
+        f"and re-attaches K={s.mem_phantom_steps} steps, `unroll` records every iteration, `implicit` (the exact "
+        "backward of every order, docs/method.md 2.9) runs them and its adjoint solves without a graph.",
         "Activation memory: distinct storages autograd saves in the step's forward and backward "
         "(`loss_step_bytes`), parameters excluded.",
     ]
@@ -279,9 +281,13 @@ GENERIC_SECTIONS = {
 }
 
 
+#: the sections over every declared family's depth entry
+ACROSS_FAMILIES = {"depth": depth_section, "implicit": implicit_section}
+
+
 def section_funcs() -> dict:
     """Every section by name: the DEQ layer's generic ones, each declared family's (its laboratory file's
-    ``section``, :mod:`deqlab.families`), and the depth section over every family."""
+    ``section``, :mod:`deqlab.families`), and the sections across every family (depth, implicit)."""
     files = {name: family_file(name) for name in declarations()}
     families = {name: file.section for name, file in files.items() if file is not None}
-    return {**GENERIC_SECTIONS, **families, "depth": depth_section}
+    return {**GENERIC_SECTIONS, **families, **ACROSS_FAMILIES}

@@ -59,12 +59,13 @@ def test_files_and_sections(result):
 
 def test_deq_rows_run_exactly_the_requested_iterations(result):
     for row in _rows(result[1], "memory_vs_iterations"):
-        if row["model"] in ("phantom", "unroll"):
+        if row["model"] in ("phantom", "unroll", "implicit"):
             assert row["solver_iters"] == row["n"]
 
 
-def test_phantom_memory_is_flat_in_iterations(result):
-    mem = _memory(result[1], "phantom")
+@pytest.mark.parametrize("model", ["phantom", "implicit"])
+def test_phantom_and_implicit_memory_are_flat_in_iterations(result, model):
+    mem = _memory(result[1], model)
     assert sorted(mem) == sorted(QUICK.mem_iterations)
     assert max(mem.values()) <= 1.05 * min(mem.values())
 
@@ -97,6 +98,18 @@ def test_targets_computed_from_measurements(result):
     phantom, unroll = _memory(result[1], "phantom"), _memory(result[1], "unroll")
     assert ratio["value"] == pytest.approx(phantom[32] / unroll[32])
     assert ratio["pass"] == ("PASS" if ratio["value"] <= 0.1 else "FAIL")
+
+
+def test_implicit_section_has_every_family_s_rows_and_ratios(result):
+    rows = _rows(result[1], "implicit")
+    families = {r["family"] for r in rows}
+    assert len(families) >= 4
+    for family in families:
+        variants = [r["variant"] for r in rows if r["family"] == family]
+        assert variants[0] == "explicit shallow" and "DEQ, implicit" in variants
+        assert all(r["act_mib"] > 0 for r in rows if r["family"] == family)
+    shallow = next(r for r in rows if r["variant"] == "explicit shallow")
+    assert shallow["act_ratio"] == "1.000x"
 
 
 def test_solver_rows_report_convergence(result):
@@ -367,7 +380,7 @@ def test_nice_rows_are_the_configs_modules(result):
         assert rows[v.label]["params"] == parameter_count(build(v.config, options(QUICK, v)))
 
 
-@pytest.mark.parametrize("program", ["study", "deq_vs_ffn", "kernels", "sync"])
+@pytest.mark.parametrize("program", ["study", "deq_vs_ffn", "kernels", "sync", "gpu"])
 def test_one_benchmark_program_runs_every_other_by_name(program, monkeypatch):
     """``python -m deqlab <program> ARGS`` hands ARGS to that program's own main."""
     import importlib
@@ -384,7 +397,7 @@ def test_one_benchmark_program_runs_every_other_by_name(program, monkeypatch):
     (["--sections", "solvers,bogus"], "python -m deqlab: error: --sections: unknown sections ['bogus']"),
     (["--repeats", "x"], "python -m deqlab: error: argument --repeats: invalid int value: 'x'"),
     *[([program, "--no-such-option"], f"python -m deqlab {program}: error: unrecognized arguments")
-      for program in ("study", "deq_vs_ffn", "kernels", "sync")],
+      for program in ("study", "deq_vs_ffn", "kernels", "sync", "gpu")],
 ])
 def test_every_benchmark_programs_usage_error_is_one_line_naming_it(argv, words, capsys, tmp_path):
     with pytest.raises(SystemExit) as info:
