@@ -162,8 +162,7 @@ class DeqscoreCLI(LightningCLI):
         except (MisconfigurationException, ValueError, TypeError) as err:
             # the constructor's own checks of its options (check_trainer_options covers the ranges; this, the rest:
             # a GPU asked for where there is none, options that exclude each other); any other error is a bug
-            names = inspect.signature(Trainer.__init__).parameters
-            if not (isinstance(err, MisconfigurationException) or any(f"`{n}" in str(err) for n in names)):
+            if not _is_trainer_option_error(err):
                 raise
             usage_error(f"trainer: {err}")
 
@@ -265,9 +264,11 @@ class DeqscoreCLI(LightningCLI):
                 run_id(run_dir, create=True)  # a run older than run identities gets one now
             try:
                 super()._run_subcommand(subcommand)
-            except BaseException:
+            except BaseException as err:
                 if fresh and not self._wrote_checkpoint(run_dir):
                     self._clear_failed_launch(run_dir)
+                if _is_trainer_option_error(err):  # one that needs the data: val_check_interval > batches an epoch
+                    usage_error(f"trainer: {err}")
                 raise
 
     def _wrote_checkpoint(self, run_dir: Path) -> bool:
@@ -348,6 +349,16 @@ class DeqscoreCLI(LightningCLI):
         lr = ((cfg.get("optimizer") or {}).get("init_args") or {}).get("lr")
         if lr is not None and not (isinstance(lr, int | float) and math.isfinite(lr) and lr > 0):
             usage_error(f"optimizer.init_args.lr must be a positive finite number, got {lr!r}")
+
+
+def _is_trainer_option_error(err: BaseException) -> bool:
+    """``err`` is Lightning's refusal of a trainer option: its configuration error, or a ValueError or TypeError
+    naming a ``Trainer`` argument as Lightning's messages do (`` `val_check_interval` (1000) must be ...``)."""
+    if isinstance(err, MisconfigurationException):
+        return True
+    names = inspect.signature(Trainer.__init__).parameters
+    return type(err) in (ValueError, TypeError) and any(f"`{n}`" in str(err) or f"`Trainer({n}=" in str(err)
+                                                        for n in names)
 
 
 def _data_dim(datamodule: Any) -> int:

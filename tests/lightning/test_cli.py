@@ -100,8 +100,17 @@ def test_a_trainer_option_out_of_range_is_one_line_before_anything_is_written(tm
     assert run(["fit", *tiny_args(tmp_path), f"--trainer.{option}", value]) == 2
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("train.py: error: ") and expected in lines[0], err
+    assert len(lines) == 1 and f"error: {expected}" in lines[0], err
     assert not (tmp_path / "t").exists()  # checked before the run directory is made
+
+
+def test_a_trainer_option_lightning_checks_against_the_data_is_one_line_and_blocks_nothing(tmp_path, capsys):
+    # 3 training batches an epoch: validation every 1000 batches is refused when the fit starts (after the run
+    # directory was made), one line all the same, and the directory is moved aside
+    assert run(["fit", *tiny_args(tmp_path), "--trainer.val_check_interval", "1000"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if "error: " in line]
+    assert len(lines) == 1 and "error: trainer: `val_check_interval` (1000) must be less than or equal" in lines[0]
+    assert not (tmp_path / "t").exists() and (tmp_path / "t.failed-1").is_dir()
 
 
 @pytest.mark.parametrize(("option", "value"), [("max_steps", "-1"), ("max_epochs", "-1"), ("limit_val_batches", "0"),

@@ -117,7 +117,7 @@ class SlowFitEnd(pl.Callback):
         time.sleep(3)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
 def test_a_signal_after_the_fit_finished_leaves_status_0_so_a_batch_script_does_not_requeue(tmp_path, signum):
     """The README's SLURM script requeues on status 143 (a preempted run, its state saved). A signal in the teardown
     of a finished fit must not look like one: the requeued job would start a fresh fit, refused by the finished run."""
