@@ -164,7 +164,7 @@ class DeqscoreCLI(LightningCLI):
             # a GPU asked for where there is none, options that exclude each other); any other error is a bug
             if not _is_trainer_option_error(err):
                 raise
-            usage_error(f"trainer: {err}")
+            usage_error(f"trainer: {str(err).strip()}")
 
     def _subcommand_config(self) -> Namespace:
         """The parsed options of the subcommand being run (the whole config when there is none)."""
@@ -268,7 +268,7 @@ class DeqscoreCLI(LightningCLI):
                 if fresh and not self._wrote_checkpoint(run_dir):
                     self._clear_failed_launch(run_dir)
                 if _is_trainer_option_error(err):  # one that needs the data: val_check_interval > batches an epoch
-                    usage_error(f"trainer: {err}")
+                    usage_error(f"trainer: {str(err).strip()}")
                 raise
 
     def _wrote_checkpoint(self, run_dir: Path) -> bool:
