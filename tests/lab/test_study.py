@@ -22,12 +22,13 @@ FAMILIES = families()
 
 QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
          "--trainer.log_every_n_steps=1", "--trainer.limit_val_batches=2"]
+
+
 def run_study(tmp_path, name: str, *more: str) -> dict:
     family = FAMILIES[name]
     options, fit = fixture_file(name).STUDY_TINY
     return main(["study", "--family", name, "--budget", str(2 / family.iterations), "--runs-root",
-                       str(tmp_path / "runs"), "--out", str(tmp_path / "out"), *options, *more,
-                       "--extra", *QUIET, *fit])
+                 str(tmp_path / "runs"), "--out", str(tmp_path / "out"), *options, *more, "--extra", *QUIET, *fit])
 
 
 # NCSN's run (a minute: sampling and Inception features) adds nothing the fast suite lacks: the study machinery is
