@@ -202,12 +202,11 @@ STUDIES: dict[str, Study] = {
 
 
 def depth_entries() -> dict[str, Depth]:
-    """Every declared family's depth entries, by entry name."""
-    declared = declarations()
-    return {key: entry for name, entries in DEPTHS.items() if name in declared for key, entry in entries.items()}
+    """Every declared family's depth entries, by entry name, in the declarations' order."""
+    return {key: entry for name in declarations() for key, entry in DEPTHS.get(name, {}).items()}
 
 
 def study_entries() -> dict[str, tuple[Declaration, Study]]:
-    """Every declared family with a study entry: its declaration and the entry, by family name."""
-    declared = declarations()
-    return {name: (declared[name], study) for name, study in STUDIES.items() if name in declared}
+    """Every declared family with a study entry: its declaration and the entry, by family name, in the
+    declarations' order (the order of the report's tables)."""
+    return {name: (declared, STUDIES[name]) for name, declared in declarations().items() if name in STUDIES}
