@@ -1,7 +1,7 @@
 """Shared LightningModule for every model family: the family contract.
 
-A family subclass sets ``family``, takes its plain ``nn.Module`` network from the config (``model.init_args.net``,
-declared with its own options in ``deqscore/models/``) and implements
+A family subclass, named by its declaration (:mod:`deqscore.families`), takes its plain ``nn.Module`` network
+from the config (``model.init_args.net``, declared with its own options in ``deqscore/models/``) and implements
 
 * :meth:`ScoreModule.compute_loss`: the per-sample training loss ``[B]``, or a dict of named per-sample terms
   whose ``"loss"`` entry is the objective (every term is logged);
@@ -39,10 +39,8 @@ undone by ``enable_grad``), which the CLI sets.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
-import pkgutil
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
@@ -54,6 +52,7 @@ from ..data.protocol import ImageData
 from ..data.transforms import ImageCodec
 from ..deq import DEQ
 from ..errors import ConfigError
+from ..families import declarations
 from ..finite import DeferredChecks, deferred_checks
 from ..losses import Loss
 from .nonfinite import NonFiniteStops
@@ -63,24 +62,26 @@ FAMILY_KEY = "deqscore_family"
 CODEC_KEY = "deqscore_image_codec"
 DATA_KEY = "deqscore_data"
 
-_FAMILIES: dict[str, type[ScoreModule]] = {}
-
-
 class CheckpointFamilyError(ValueError):
     """A checkpoint of one model family was loaded into another."""
 
 
 def family_registry() -> dict[str, type[ScoreModule]]:
-    """Model family name -> LightningModule class: a family registers itself when its module file is imported, and
-    every module file of this package is imported here first, so a new family's file needs no import elsewhere."""
-    _import_package_modules()
-    return dict(_FAMILIES)
+    """Model family name -> LightningModule class, read from the families' declarations (:mod:`deqscore.families`),
+    each of which names its module's class path: a family without a declaration is unknown, and a new family's
+    module file needs no registration and no import elsewhere."""
+    return {name: _located(declared.module) for name, declared in declarations().items()}
 
 
-@functools.cache
-def _import_package_modules() -> None:
-    for info in pkgutil.iter_modules(importlib.import_module(__package__).__path__):
-        importlib.import_module(f"{__package__}.{info.name}")
+def _located(class_path: str) -> type:
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def family_of(cls: type) -> str:
+    """The family of a module class: that of the nearest class in its ancestry a declaration names ('' for none)."""
+    by_class = {registered: name for name, registered in family_registry().items()}
+    return next((by_class[c] for c in cls.__mro__ if c in by_class), "")
 
 
 def _plain(value: Any) -> bool:
@@ -95,19 +96,13 @@ def _plain(value: Any) -> bool:
 
 
 class ScoreModule(NonFiniteStops, pl.LightningModule):
-    """Base class; subclasses set ``family``, take ``net`` (and their options) and implement the hooks."""
+    """Base class; subclasses take ``net`` (and their options) and implement the hooks."""
 
-    family: ClassVar[str] = ""
     #: the term of :meth:`compute_loss` that trains the DEQ layers' parameters (what their trust figures check)
     deq_objective: ClassVar[str] = "loss"
     #: one host sync per training step for deqscore's checks (see the module docstring); off: every check reads
     #: its own result at once, as a plain eager step does
     sync_free_steps: bool = False
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if cls.__dict__.get("family"):  # only classes that name a family themselves, not their subclasses
-            _FAMILIES[cls.family] = cls
 
     def __init__(self) -> None:
         super().__init__()
@@ -303,6 +298,11 @@ class ScoreModule(NonFiniteStops, pl.LightningModule):
         )
 
     # ----- checkpoints ---------------------------------------------------------------------------------
+    @property
+    def family(self) -> str:
+        """The family's name (the checkpoint's family tag), from the declarations (:func:`family_of`)."""
+        return family_of(type(self))
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[FAMILY_KEY] = self.family
         if self.image_codec is not None:

@@ -68,7 +68,6 @@ def alpha_objective(loss: ScoreLoss) -> dict[str, Any]:
 class DKEFModule(ScoreModule):
     """LightningModule around :class:`deqscore.models.DKEF`."""
 
-    family = "dkef"
 
     def __init__(
         self,

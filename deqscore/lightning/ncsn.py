@@ -47,7 +47,6 @@ ScheduleName = Literal[tuple(SCHEDULES)]  # type: ignore[valid-type]
 class NCSNModule(ScoreModule):
     """LightningModule around :class:`deqscore.models.NCSN`."""
 
-    family = "ncsn"
 
     def __init__(
         self,

@@ -7,25 +7,28 @@ import shutil
 
 import pytest
 
-from deqlab import study
+from deqlab import main
+from deqlab.entries import STUDIES
 from deqlab.measure import code_version
-from deqlab.study import core, families, protocol
+from deqlab.study import core, protocol
 from deqlab.study import report as report_module
+from deqlab.study.families import families
 from deqlab.study.report import fmt
-from deqscore.families import declarations
 from deqscore.lightning.callbacks import read_metrics_csv
+from tests.families import fixture_file
 
 PROTOCOL = protocol.load()
 FAMILIES = families()
 
 QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
          "--trainer.log_every_n_steps=1", "--trainer.limit_val_batches=2"]
+
+
 def run_study(tmp_path, name: str, *more: str) -> dict:
     family = FAMILIES[name]
-    options, fit = declarations()[name].study.tiny
-    return study.main(["--family", name, "--budget", str(2 / family.iterations), "--runs-root",
-                       str(tmp_path / "runs"), "--out", str(tmp_path / "out"), *options, *more,
-                       "--extra", *QUIET, *fit])
+    options, fit = fixture_file(name).STUDY_TINY
+    return main(["study", "--family", name, "--budget", str(2 / family.iterations), "--runs-root",
+                 str(tmp_path / "runs"), "--out", str(tmp_path / "out"), *options, *more, "--extra", *QUIET, *fit])
 
 
 # NCSN's run (a minute: sampling and Inception features) adds nothing the fast suite lacks: the study machinery is
@@ -35,7 +38,7 @@ def test_a_family_study_records_what_its_runs_logged_skips_recorded_units_and_wr
         tmp_path, monkeypatch, name):
     family = FAMILIES[name]
     units = run_study(tmp_path, name)[name]
-    seeds = [int(s) for s in declarations()[name].study.tiny[0][1].split(",")]
+    seeds = [int(s) for s in fixture_file(name).STUDY_TINY[0][1].split(",")]
     group = next(iter(family.groups)) if name != "dkef" else "redwine"
     variants = [v for v in family.variants if PROTOCOL.seeds(name, v)]  # the protocol's
     assert [(u["group"], u["variant"], u["seed"]) for u in units] == [(group, v, s) for s in seeds for v in variants]
@@ -59,7 +62,7 @@ def test_a_family_study_records_what_its_runs_logged_skips_recorded_units_and_wr
             assert value["parameters"] == series["run/parameters"][-1][1]
             assert value["activation_memory_mb"] == series["run/activation_memory_mb"][-1][1]
         # a metric the run's test stage logged is reported as logged (NCSN's come from sample.py, below)
-        logged = [m.key for m in declarations()[name].study.metrics if f"test/{m.key}" in series]
+        logged = [m.key for m in STUDIES[name].metrics if f"test/{m.key}" in series]
         assert bool(logged) == (variant.trained and name != "ncsn")
         for key in logged:
             assert value["metrics"][key] == pytest.approx(series[f"test/{key}"][-1][1])
@@ -84,7 +87,7 @@ def test_a_family_study_records_what_its_runs_logged_skips_recorded_units_and_wr
     assert run_study(tmp_path, name)[name] == units
     # the page, from the unit files alone
     page = tmp_path / "results.md"
-    study.main(["--report", "--out", str(tmp_path / "out"), "--page", str(page)])
+    main(["study", "--report", "--out", str(tmp_path / "out"), "--page", str(page)])
     text = page.read_text()
     metric = family.metrics[0].key
     for unit in units[: len(family.variants)]:
@@ -119,7 +122,7 @@ def write_unit(out, family: str, group: str, variant: str, seed: int, metrics: d
 
 def report(tmp_path) -> str:
     page = tmp_path / "results.md"
-    study.main(["--report", "--out", str(tmp_path), "--page", str(page)])
+    main(["study", "--report", "--out", str(tmp_path), "--page", str(page)])
     return page.read_text()
 
 
@@ -267,7 +270,7 @@ def test_a_carried_unit_is_read_back_not_run_again_and_shares_its_table(tmp_path
 ])
 def test_usage_errors_name_the_option_and_the_choices(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit):
-        study.main([*args, "--out", str(tmp_path)])
+        main(["study", *args, "--out", str(tmp_path)])
     assert message in capsys.readouterr().err
 
 

@@ -427,7 +427,7 @@ def _notes(run: DKEFRun, rows: list[dict], default_kernel: dict[str, float]) -> 
 
 
 def evaluate(run_dir: Path, checkpoint: Path, variant: StudyVariant, seed: int, evaluation: dict) -> dict:
-    """The study's evaluation of a trained DKEF run (see :mod:`deqlab.study.families`)."""
+    """The study's evaluation of a trained DKEF run (see :mod:`deqlab.study.evaluation`)."""
     options = [f"--model.init_args.final_log_z_samples={evaluation['log_z_samples']}",
                f"--model.init_args.log_z_proposal={evaluation['log_z_proposal']}"]
     metrics = test_metrics(run_dir, checkpoint, options,

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from deqscore.families import Metric
 from deqscore.lightning.callbacks import read_metrics_csv
 
+from ..entries import Metric
 from ..units import mean_stderr, recorded
 
 if TYPE_CHECKING:
