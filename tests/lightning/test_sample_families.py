@@ -83,10 +83,10 @@ def test_a_dkef_samples_its_density():
     net = DKEF(dim=2, n_centres=4, hidden=4, feature_net="shallow", bandwidth_init="fixed").double()
     net.init_centres(torch.randn(8, 2, dtype=torch.float64))
     net.set_alpha(torch.zeros(4, dtype=torch.float64))
-    module = DKEFModule(net, sampler=Langevin(n_steps=200, step_size=0.8, init_std=2.0, progress=False))
+    module = DKEFModule(net, sampler=Langevin(n_steps=60, step_size=0.8, progress=False))
     mean, matrix = np.array([3.0, -1.0]), np.array([[0.5, 0.2], [0.0, 2.0]])
     module.whitening = Whitening(mean, matrix)
-    n = 4000
+    n = 3000
     points = module.sample_points(n).numpy()
     expected = 4.0 * np.linalg.inv(matrix).T @ np.linalg.inv(matrix)  # q0_std = 2
     se_mean = np.sqrt(np.diag(expected) / n)
