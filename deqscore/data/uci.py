@@ -396,7 +396,8 @@ def _check_options(
         check_count("dim", dim)
         if dataset != "highdim":
             raise ConfigError(f"dim: only the synthetic data set 'highdim' takes a dimension; {dataset!r} has that of "
-                              "its file (leave dim unset)")
+                              "its file: leave dim unset (a run's config.yaml from before dim was refused here holds "
+                              "dim: 200 under data.init_args: delete that line)")
     check_count("batch_size", batch_size)
     if eval_batch_size is not None:
         check_count("eval_batch_size", eval_batch_size)
