@@ -1,7 +1,8 @@
-"""``sample.py`` draws from a checkpoint of every family: a tiny trained checkpoint per family (its first config,
-shrunk as test_families.py shrinks it), sampled by the program. Images are written as images; points (DKEF) in
-the data's own units, with a plot against the held-out rows: a density plot in 2 dimensions, pairwise scatter
-plots in more. The samples of a DKEF are those of its density (a known one checked here)."""
+"""``sample.py`` draws from a checkpoint of every family: a tiny trained checkpoint per family (one of its configs,
+a DEQ one where it has one, shrunk as test_families.py shrinks it), sampled by the program. Images are written as
+images; points (DKEF) in the data's own units, with a plot against the held-out rows: a density plot in 2
+dimensions, pairwise scatter plots in more. The samples of a DKEF are those of its density (a known one checked
+here)."""
 
 import numpy as np
 import pytest
@@ -33,9 +34,15 @@ def _sample(checkpoint, out, *extra) -> None:
                                          "--batch-size", 4, "--seed", 3, "--device", "cpu", *extra)]) == 0
 
 
+def sampled_config(family: str):
+    """The family's config sampled here: a DEQ one where it has one, on the smallest images (MNIST) or none."""
+    return min(FAMILY_TINY[family][0], key=lambda p: (not p.stem.startswith("deq"),
+                                                       any(big in p.stem for big in ("celeba", "cifar")), p.name))
+
+
 @pytest.mark.parametrize("family", sorted(FAMILY_TINY))
 def test_sample_py_draws_from_a_checkpoint_of_every_family(family, tmp_path, capsys):
-    config = FAMILY_TINY[family][0][0]
+    config = sampled_config(family)
     checkpoint = _trained(tmp_path, config)
     module = load_module(checkpoint).eval()
     steps = ["--steps", "3"] if hasattr(module, "sampler") else []  # annealed: 3 steps per level
@@ -67,7 +74,7 @@ def test_sample_py_draws_from_a_checkpoint_of_every_family(family, tmp_path, cap
 
 
 def test_a_two_dimensional_point_model_gets_a_density_plot(tmp_path, capsys):
-    config = FAMILY_TINY["dkef"][0][0]
+    config = sampled_config("dkef")
     checkpoint = _trained(tmp_path, config, "--data.init_args.dataset", "highdim", "--data.init_args.dim", "2")
     _sample(checkpoint, tmp_path / "s", "--steps", "4", "--step-size", "0.05")
     out = capsys.readouterr().out.strip().splitlines()[-1]
