@@ -53,9 +53,9 @@ def save_point_plot(samples: np.ndarray, path: str | Path, held_out: np.ndarray 
         pairs = dimension_pairs(dim)
         fig, axes = plt.subplots(1, len(pairs), figsize=(4 * len(pairs), 4), squeeze=False)
         for ax, (i, j) in zip(axes[0], pairs, strict=True):
-            if held_out is not None:
-                ax.scatter(held_out[:, i], held_out[:, j], s=4, alpha=0.5, color="tab:orange", label="held-out")
-            ax.scatter(samples[:, i], samples[:, j], s=4, alpha=0.5, color="tab:blue", label="samples")
+            ax.scatter(samples[:, i], samples[:, j], s=4, alpha=0.4, color="tab:blue", label="samples")
+            if held_out is not None:  # over the samples: the fewer points stay visible
+                ax.scatter(held_out[:, i], held_out[:, j], s=6, alpha=0.8, color="tab:orange", label="held-out")
             ax.set_xlabel(names[i])
             ax.set_ylabel(names[j])
         axes[0][0].legend(loc="best", markerscale=3)
