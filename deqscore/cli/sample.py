@@ -294,7 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         draw, picture = module.sample_images if fid is None else fid.observing(module.sample_images), None
     try:
-        check_batch_memory(draw, args.batch_size, args.num_samples, device)
+        # the probe draws with the module itself: what it draws is no sample (no FID features, no acceptance)
+        check_batch_memory(module.sample_points if points else module.sample_images, args.batch_size,
+                           args.num_samples, device)
     except ConfigError as err:  # e.g. a model that cannot draw
         usage_error(f"--checkpoint: {one_line(err)}")
     torch.manual_seed(args.seed)
