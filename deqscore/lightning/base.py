@@ -6,7 +6,8 @@ from the config (``model.init_args.net``, declared with its own options in ``deq
 * :meth:`ScoreModule.compute_loss`: the per-sample training loss ``[B]``, or a dict of named per-sample terms
   whose ``"loss"`` entry is the objective (every term is logged);
 * :meth:`ScoreModule.sample`: ``n`` samples in model space (``sample_images`` maps them to images through the
-  data module's transform, remembered in checkpoints);
+  data module's transform, ``sample_points`` points to the data's units through its whitening, both remembered in
+  checkpoints);
 
 and, where it needs them,
 
@@ -48,6 +49,7 @@ from typing import Any, ClassVar
 import pytorch_lightning as pl
 import torch
 
+from ..data.points import Whitening
 from ..data.protocol import ImageData
 from ..data.transforms import ImageCodec
 from ..deq import DEQ
@@ -60,6 +62,7 @@ from .run_hooks import ClosingStage, ResumeFixes, RunFacts, StepSeeding, batch_i
 
 FAMILY_KEY = "deqscore_family"
 CODEC_KEY = "deqscore_image_codec"
+WHITENING_KEY = "deqscore_whitening"
 DATA_KEY = "deqscore_data"
 
 class CheckpointFamilyError(ValueError):
@@ -116,8 +119,10 @@ class ScoreModule(NonFiniteStops, pl.LightningModule):
             elif not _plain(value):
                 del self.hparams[key]
         self.image_codec: ImageCodec | None = None
-        # the image data module's class and data folder: where FID reference images come from after training
-        self.data_source: dict[str, str] | None = None
+        self.whitening: Whitening | None = None  # point data: model space -> the data's units
+        # the data module's class and the options that rebuild its data: where FID reference images, or the
+        # held-out points of a point model's sample plot, come from after training
+        self.data_source: dict[str, Any] | None = None
 
     # ----- to implement per family -------------------------------------------------------------------
     def compute_loss(self, x: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
@@ -165,6 +170,10 @@ class ScoreModule(NonFiniteStops, pl.LightningModule):
             # with the options that rebuild the same images (a folder's image size, say)
             self.data_source = {"class_path": f"{kind.__module__}.{kind.__qualname__}",
                                 "data_dir": str(datamodule.data_dir), **getattr(datamodule, "source_options", {})}
+        elif datamodule is not None and hasattr(datamodule, "source_options"):  # point data
+            kind = type(datamodule)
+            self.data_source = {"class_path": f"{kind.__module__}.{kind.__qualname__}", **datamodule.source_options}
+            self.whitening = getattr(datamodule, "whitening", None)
 
     @torch.no_grad()
     def sample_images(self, n: int) -> torch.Tensor:
@@ -175,6 +184,13 @@ class ScoreModule(NonFiniteStops, pl.LightningModule):
                 "(one with a `codec`), so its samples cannot be shown as images"
             )
         return self.image_codec.to_images(self.sample(n))
+
+    @torch.no_grad()
+    def sample_points(self, n: int) -> torch.Tensor:
+        """``n`` samples ``[n, ...]`` in the data's units: undoing the data's whitening where it had one (the
+        samples of a model of point data); model space otherwise."""
+        x = self.sample(n)
+        return x if self.whitening is None else self.whitening.to_data(x)
 
     # ----- shared machinery --------------------------------------------------------------------------
     def deq_layers(self) -> list[DEQ]:
@@ -309,6 +325,8 @@ class ScoreModule(NonFiniteStops, pl.LightningModule):
             checkpoint[CODEC_KEY] = self.image_codec.as_dict()
         if self.data_source is not None:
             checkpoint[DATA_KEY] = dict(self.data_source)
+        if self.whitening is not None:
+            checkpoint[WHITENING_KEY] = self.whitening.as_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         found = checkpoint.get(FAMILY_KEY)
@@ -322,6 +340,8 @@ class ScoreModule(NonFiniteStops, pl.LightningModule):
             self.image_codec = ImageCodec.from_dict(checkpoint[CODEC_KEY])
         if checkpoint.get(DATA_KEY) is not None:
             self.data_source = dict(checkpoint[DATA_KEY])
+        if checkpoint.get(WHITENING_KEY) is not None:
+            self.whitening = Whitening.from_dict(checkpoint[WHITENING_KEY])
 
     def _check_shapes(self, checkpoint: dict[str, Any]) -> None:
         """ConfigError naming both sizes when the checkpoint's weights do not fit this module (e.g. a network
