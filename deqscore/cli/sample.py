@@ -35,6 +35,7 @@ import torch
 from ..errors import ConfigError
 from ..lightning import CheckpointFamilyError, ScoreModule, load_module
 from ..metrics.memory import peak_tensor_bytes
+from ..sampling.cost import counting_cost
 from ..sampling.stream import GRID_SIZE, OutputError, check_output_dir, stream_samples
 from .errors import OneLineParser, print_error, usage_error
 from .fid_job import REPORT_NAME, FIDJob, report_matches
@@ -202,8 +203,16 @@ def main(argv: list[str] | None = None) -> int:
         usage_error(f"--checkpoint: {one_line(err)}")
     torch.manual_seed(args.seed)
     draw = module.sample_images if fid is None else fid.observing(module.sample_images)
+    batches = []
+
+    def counted_draw(k: int) -> torch.Tensor:
+        batches.append(k)
+        return draw(k)
+
+    net = getattr(module, "net", None)
     try:
-        files = stream_samples(draw, args.num_samples, args.out, batch_size=args.batch_size)
+        with counting_cost(net if isinstance(net, torch.nn.Module) else torch.nn.Module()) as cost:
+            files = stream_samples(counted_draw, args.num_samples, args.out, batch_size=args.batch_size)
     except ConfigError as err:  # e.g. a model not trained on images: raised by the first draw, nothing written
         usage_error(f"--checkpoint: {one_line(err)}")
     except (MemoryError, RuntimeError) as err:
@@ -218,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"wrote {files.shape[0]} samples {list(files.shape[1:])} of the {module.family!r} model to {files.array} "
           f"and a grid of the first {min(files.shape[0], GRID_SIZE)} to {files.grid}")
+    if cost.evaluations:
+        print(f"sampling cost: {cost.describe(len(batches))}")
     report_path = Path(args.out) / REPORT_NAME
     if fid is not None:
         try:
