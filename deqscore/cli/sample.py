@@ -203,16 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         usage_error(f"--checkpoint: {one_line(err)}")
     torch.manual_seed(args.seed)
     draw = module.sample_images if fid is None else fid.observing(module.sample_images)
-    batches = []
-
-    def counted_draw(k: int) -> torch.Tensor:
-        batches.append(k)
-        return draw(k)
-
     net = getattr(module, "net", None)
     try:
         with counting_cost(net if isinstance(net, torch.nn.Module) else torch.nn.Module()) as cost:
-            files = stream_samples(counted_draw, args.num_samples, args.out, batch_size=args.batch_size)
+            files = stream_samples(draw, args.num_samples, args.out, batch_size=args.batch_size)
     except ConfigError as err:  # e.g. a model not trained on images: raised by the first draw, nothing written
         usage_error(f"--checkpoint: {one_line(err)}")
     except (MemoryError, RuntimeError) as err:
@@ -228,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {files.shape[0]} samples {list(files.shape[1:])} of the {module.family!r} model to {files.array} "
           f"and a grid of the first {min(files.shape[0], GRID_SIZE)} to {files.grid}")
     if cost.evaluations:
-        print(f"sampling cost: {cost.describe(len(batches))}")
+        batches = -(-files.shape[0] // args.batch_size)  # stream_samples draws full batches and one remainder
+        print(f"sampling cost: {cost.describe(batches)}")
     report_path = Path(args.out) / REPORT_NAME
     if fid is not None:
         try:
