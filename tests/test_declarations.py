@@ -8,7 +8,7 @@ import pytest
 
 from deqlab.depth import depth_families
 from deqlab.families import family_file
-from deqlab.sections import GENERIC_SECTIONS, section_funcs
+from deqlab.sections import ACROSS_FAMILIES, GENERIC_SECTIONS, section_funcs
 from deqlab.study import families as study_families
 from deqscore.configfiles import is_base, load_config
 from deqscore.families import ROOT, declarations
@@ -73,7 +73,7 @@ def test_the_benchmark_the_depth_section_the_study_and_the_fixtures_read_the_dec
     sections = section_funcs()
     lab_files = {p.stem for p in (ROOT / "lab" / "deqlab" / "families").glob("[!_]*.py")}
     assert lab_files <= set(DECLARED)  # a laboratory file is keyed by a declared family's name
-    assert set(sections) == set(GENERIC_SECTIONS) | {n for n in DECLARED if family_file(n)} | {"depth"}
+    assert set(sections) == set(GENERIC_SECTIONS) | {n for n in DECLARED if family_file(n)} | set(ACROSS_FAMILIES)
     assert {n for n in DECLARED if family_file(n)} == lab_files
     assert set(depth_families()) == {key for d in DECLARED.values() for key in d.depth}
     assert set(study_families()) == {n for n, d in DECLARED.items() if d.study is not None}

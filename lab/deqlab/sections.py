@@ -281,9 +281,13 @@ GENERIC_SECTIONS = {
 }
 
 
+#: the sections over every declared family's depth entry
+ACROSS_FAMILIES = {"depth": depth_section, "implicit": implicit_section}
+
+
 def section_funcs() -> dict:
     """Every section by name: the DEQ layer's generic ones, each declared family's (its laboratory file's
-    ``section``, :mod:`deqlab.families`), and the depth section over every family."""
+    ``section``, :mod:`deqlab.families`), and the sections across every family (depth, implicit)."""
     files = {name: family_file(name) for name in declarations()}
     families = {name: file.section for name, file in files.items() if file is not None}
-    return {**GENERIC_SECTIONS, **families, "depth": depth_section, "implicit": implicit_section}
+    return {**GENERIC_SECTIONS, **families, **ACROSS_FAMILIES}
