@@ -12,7 +12,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "deqscore"
 # floor of each subpackage (a module may import its own floor and every lower one)
 FLOORS = {"errors": 0, "files": 0, "finite": 0, "configfiles": 0, "deq": 1, "losses": 1, "data": 1, "metrics": 2,
-          "sampling": 2, "models": 3, "lightning": 4, "families": 5, "cli": 6}
+          "families": 1, "sampling": 2, "models": 3, "lightning": 4, "cli": 6}
 
 
 def _imported_subpackages(path: Path, package: Path = PACKAGE) -> set[str]:
@@ -78,7 +78,8 @@ def test_the_laboratory_check_sees_a_dynamic_import(tmp_path):
 MAX_LINES = 450  # a module longer than this holds more than one idea: split it (docs/contributing.md)
 
 
-def test_no_module_is_over_450_lines():
-    lengths = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+def test_no_module_is_over_450_lines():  # the library's and the laboratory's
+    lengths = {str(p.relative_to(PACKAGE.parent)): len(p.read_text().splitlines())
+               for p in [*PACKAGE.rglob("*.py"), *(PACKAGE.parent / "lab" / "deqlab").rglob("*.py")]}
     assert {path: n for path, n in lengths.items() if n > MAX_LINES} == {}
     assert max(lengths.values()) > MAX_LINES / 2  # the scan reads the modules themselves

@@ -5,8 +5,8 @@ Run::
     python -m deqlab                       # full sizes (NICE m-net 392/1000, batch 128); minutes on CPU
     python -m deqlab --quick               # small sizes, a few seconds (CI, tests)
     python -m deqlab --device cpu --repeats 3 --sections memory_vs_iterations,solvers --out DIR
-    python -m deqlab study --family dkef      # the other programs: study, deq_vs_ffn, kernels, sync, gpu,
-    python -m deqlab deq_vs_ffn --report-only # each with its own options (``<program> --help``)
+    python -m deqlab study --family dkef      # the other programs: study, deq_vs_ffn, kernels, sync, gpu, each a
+    python -m deqlab deq_vs_ffn --report-only # branch of the one parser tree (``<program> --help``, deqlab.cli)
 
 It writes ``bench.md`` (markdown tables) and ``bench.json`` (the same numbers) to ``--out`` (default
 ``benchmarks/results``). Sections: ``memory_vs_iterations`` (activation memory of one SSM step, phantom vs
@@ -27,6 +27,7 @@ the tensors autograd saves in one step's forward and backward, parameters exclud
 From Python: ``run(quick=True, device="cpu", out_dir=tmp_path)`` returns the JSON document.
 """
 
-from .runner import main, run
+from .cli import main
+from .runner import run
 
 __all__ = ["main", "run"]

@@ -1,6 +1,6 @@
 """Section ``depth``: activation memory against depth, per family, DEQ against explicit stacks of its own block.
 
-For each family's declared DEQ config (``Declaration.depth``, :mod:`deqscore.families`) the benchmark builds the
+For each declared family's depth entries (:data:`deqlab.entries.DEPTHS`) the benchmark builds the
 module as training does and measures one training step (the config's loss, forward and backward,
 :func:`deqlab.measure.loss_step_bytes`) for
 
@@ -36,12 +36,12 @@ from torch import nn
 
 from deqscore.configfiles import composed_text
 from deqscore.deq import DEQ
-from deqscore.families import Depth, declarations
 from deqscore.lightning.base import ScoreModule
 from deqscore.metrics import parameter_count
 from deqscore.sampling import pyplot
 
 from .configs import ROOT, Options, build
+from .entries import Depth, depth_entries
 from .measure import MIB, log, loss_step_bytes
 from .report import Column, Table
 from .settings import FORCED_TOL, Settings
@@ -125,8 +125,8 @@ VAL_ARGS = ["--trainer.limit_val_batches", "2"]
 
 
 def depth_families() -> dict[str, Depth]:
-    """Every declared family's depth entries (:mod:`deqscore.families`), by entry name."""
-    return {key: entry for declared in declarations().values() for key, entry in declared.depth.items()}
+    """Every declared family's depth entries (:mod:`deqlab.entries`), by entry name."""
+    return depth_entries()
 
 
 def _measure(family: Depth, mode: str, options: Options, depth: int | None) -> dict:
@@ -268,7 +268,8 @@ def depth(s: Settings, device: torch.device) -> Table:
     for name, family in families.items():
         settings = {"mode": s.mode, "sizes": family.sizes[s.mode], "batch": family.batch[s.mode],
                     "depths": DEPTHS[s.mode], "phantom_steps": PHANTOM_STEPS[s.mode],
-                    "iterations": ITERATIONS[s.mode], "config": composed_text(ROOT / family.config)}
+                    "iterations": ITERATIONS[s.mode], "config": composed_text(ROOT / family.config),
+                    "backward": ("phantom", "implicit")}  # units measured before the implicit rows: measured again
         rows = recorded(out / "depth_units" / f"{name}__rows.json", settings, lambda f=family: family_rows(f, s.mode))
         train = {"mode": s.mode, "args": family.train_args and family.train_args[s.mode],
                  "config": settings["config"]}

@@ -22,15 +22,13 @@ Run::
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
-from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
-
-from deqscore.cli.errors import OneLineParser
 
 from .gpu_images import ImagePlan, image_table
 from .gpu_steps import StepPlan, one_line, step_table
@@ -50,8 +48,8 @@ IMAGES = {
 }
 
 
-def run(quick: bool, out_dir: str | Path = DEFAULT_OUT, inception: str | None = None,
-        command: str | None = None) -> dict:
+def run_stages(quick: bool, out_dir: str | Path = DEFAULT_OUT, inception: str | None = None,
+               command: str | None = None) -> dict:
     """Run the stages, write ``gpu.md`` / ``gpu.json`` to ``out_dir`` and return the JSON document."""
     mode = "quick" if quick else "full"
     device = torch.device("cuda" if torch.cuda.is_available() and not quick else "cpu")
@@ -93,16 +91,17 @@ def _write(out: Path, header: dict, settings: dict, tables: list[Table]) -> dict
     return doc
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
-    parser = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes on the CPU, seconds (the tests)")
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
     parser.add_argument("--inception-weights", default=None,
                         help="FID Inception weights file (default: found as deqscore.metrics.inception says)")
-    args = parser.parse_args(argv)
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
     if not args.quick and not torch.cuda.is_available():
         parser.error("no CUDA device: this program measures a GPU (--quick runs it at tiny sizes on the CPU)")
     if args.inception_weights is not None and not Path(args.inception_weights).is_file():
         parser.error(f"--inception-weights: no file at {args.inception_weights}")
-    command = " ".join([PROG, *(argv if argv is not None else [])])
-    return run(args.quick, args.out, args.inception_weights, command)
+    command = PROG + (" --quick" if args.quick else "")
+    return run_stages(args.quick, args.out, args.inception_weights, command)

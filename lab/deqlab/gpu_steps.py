@@ -16,11 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from deqscore.families import Depth, declarations
+from deqscore.families import declarations
 from deqscore.metrics import parameter_count
 
 from .configs import build
 from .depth import INPUTS, LOSSES
+from .entries import DEPTHS, Depth
 from .measure import MIB, log, wall
 from .report import Column, Table, ratio_cells
 
@@ -45,7 +46,7 @@ def family_entries() -> list[tuple[str, str, Depth]]:
         if "shallow" not in declared.configs or "deq" not in declared.configs:
             continue
         deq_config = declared.config("deq")
-        entry = next((e for e in declared.depth.values() if e.config == deq_config), None)
+        entry = next((e for e in DEPTHS.get(name, {}).values() if e.config == deq_config), None)
         if entry is not None:
             out.append((name, declared.config("shallow"), entry))
     return out

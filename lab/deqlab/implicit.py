@@ -22,11 +22,12 @@ from __future__ import annotations
 import torch
 
 from deqscore.deq import DEQ
-from deqscore.families import Depth, declarations
+from deqscore.families import declarations
 from deqscore.metrics import parameter_count
 
 from .configs import build
 from .depth import INPUTS, LOSSES
+from .entries import DEPTHS, STUDIES, Depth
 from .measure import log, measure_step
 from .report import Column, Table, ratio_cells
 from .settings import Settings
@@ -36,7 +37,7 @@ PHANTOM_STEPS = "phantom_steps="
 
 def faithful_steps(family: str) -> int | None:
     """K of the family's study variant ``deq_faithful`` (None: it has none)."""
-    study = declarations()[family].study
+    study = STUDIES.get(family)
     variant = study.variants.get("deq_faithful") if study else None
     if variant is None:
         return None
@@ -81,8 +82,8 @@ def section(s: Settings, device: torch.device) -> Table:
         Column("time_ms", "step time (ms)", ".1f"), Column("solver_iters", "forward solver iters", "d"),
         Column("act_ratio", "memory / shallow"), Column("time_ratio", "time / shallow"),
     ])
-    for family, declared in declarations().items():
-        for entry in declared.depth.values():
+    for family in declarations():
+        for entry in DEPTHS.get(family, {}).values():
             rows = [row(entry, *v, s, device) for v in variants(family, entry)]
             shallow = rows[0]
             for r in rows:
@@ -90,7 +91,7 @@ def section(s: Settings, device: torch.device) -> Table:
                 r.update(family=entry.label, act_ratio=ratios["act_mib"], time_ratio=ratios["time_ms"])
             table.rows += rows
     table.meta["sizes"] = {f: {n: {"options": e.sizes[s.mode], "batch": e.batch[s.mode]}
-                               for n, e in d.depth.items()} for f, d in declarations().items()}
+                               for n, e in DEPTHS.get(f, {}).items()} for f in declarations()}
     table.notes += [
         "Each row is its config's module (`build_module`) at the depth entry's sizes (`meta.sizes`), fed the same "
         "seeded batch; the step is the entry's loss (the VAE: the score network's SSM-VR step) and its backward. "

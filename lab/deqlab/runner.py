@@ -1,25 +1,19 @@
-"""``run()`` and the command line of the benchmark."""
+"""``run()``: the benchmark sections, and their options on the command line (:mod:`deqlab.cli`)."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from deqscore.cli.errors import OneLineParser
-
 from .measure import environment, log
 from .report import Table, write_reports
 from .sections import section_funcs
 from .settings import DEFAULT_OUT, Settings, get_settings
 from .targets import targets
-
-PROG = "python -m deqlab"
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -94,11 +88,8 @@ def _run_sections(settings: Settings, dev: torch.device, out_dir: Path, names: l
     return doc
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = OneLineParser(
-        prog=PROG, description=importlib.import_module(__package__).__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark sections' options (the top of ``python -m deqlab``'s parser tree, :mod:`deqlab.cli`)."""
     parser.add_argument("--quick", action="store_true", help="small sizes (CI/tests, a few seconds)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
@@ -107,36 +98,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--trained-checkpoint", default=None,
                         help="DEQ-NICE checkpoint: also compare the solvers on its trained coupling blocks")
-    args = parser.parse_args(argv)
-    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()] if args.sections else None
+
+
+def run_parsed(parser: argparse.ArgumentParser, args: argparse.Namespace, command: str) -> dict:
+    """:func:`run` with the parsed options; a bad section or device is ``parser``'s one-line error."""
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()] if args.sections else None
     try:  # asked for on the command line: a usage error, not a traceback
-        check_sections(args.sections)
+        check_sections(sections)
     except ValueError as err:
         parser.error(f"--sections: {err}")
     try:
         resolve_device(args.device)
     except RuntimeError as err:
         parser.error(str(err))
-    return args
-
-
-#: the benchmark's other programs, each run as ``python -m deqlab <name> [its options]``
-PROGRAMS = {
-    "study": "deqlab.study",  # the reproduction study under its protocol
-    "deq_vs_ffn": "deqlab.deq_vs_ffn",  # DEQ against feed-forward networks on steep functions
-    "kernels": "deqlab.kernels.regression",  # kernel regression with the DEQ kernels
-    "sync": "deqlab.sync",  # host syncs and the sync-free step
-    "gpu": "deqlab.gpu",  # the one GPU command: step rows per family, image families trained to digits
-}
-
-
-def main(argv: Sequence[str] | None = None) -> object:
-    """``python -m deqlab [--sections ...]`` runs the sections; ``python -m deqlab <program> ...``
-    one of :data:`PROGRAMS` with its own options."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in PROGRAMS:
-        return importlib.import_module(PROGRAMS[argv[0]]).main(argv[1:])
-    args = parse_args(argv)
-    run(quick=args.quick, device=args.device, out_dir=args.out, sections=args.sections, repeats=args.repeats,
-        threads=args.threads, command=" ".join([PROG, *argv]),
-        trained_checkpoint=args.trained_checkpoint)
+    return run(quick=args.quick, device=args.device, out_dir=args.out, sections=sections, repeats=args.repeats,
+               threads=args.threads, command=command, trained_checkpoint=args.trained_checkpoint)

@@ -22,6 +22,7 @@ GPU figure.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import math
@@ -41,7 +42,6 @@ import pytorch_lightning as pl
 import torch
 
 import deqscore
-from deqscore.cli.errors import OneLineParser
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "sync"
@@ -399,15 +399,17 @@ def _markdown(report: dict[str, Any]) -> str:
 SECTIONS = ("syncs", "bf16_gradient", "nice_run")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = OneLineParser(prog="python -m deqlab sync", description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=12, help="training steps per sync row")
     parser.add_argument("--run-steps", type=int, default=200, help="steps of the short bf16 vs 32-bit NICE run")
     parser.add_argument("--hidden", type=int, default=1000, help="DEQ block width of the bf16 gradient rows")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
                         help="measure only these; the others are kept from an existing sync.json in --out")
-    args = parser.parse_args(argv)
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Measure the sections ``args`` names and write ``sync.json`` and ``sync.md``."""
     runs_root = tempfile.mkdtemp(prefix="deqscore-sync-")
     previous = args.out / "sync.json"
     report = json.loads(previous.read_text()) if set(args.sections) != set(SECTIONS) else {}
@@ -422,7 +424,3 @@ def main(argv: list[str] | None = None) -> None:
     (args.out / "sync.json").write_text(json.dumps(report, indent=1))
     (args.out / "sync.md").write_text(_markdown(report))
     log(f"written {args.out / 'sync.md'}")
-
-
-if __name__ == "__main__":
-    main()

@@ -17,14 +17,12 @@ from torch.func import functional_call
 
 from deqscore.deq import DEQ
 from deqscore.deq.implicit import FixedPoint
-from deqscore.families import declarations
 from deqscore.models.dkef_features import DKEFDEQMap
+from tests.deq.test_family_phantom import FAMILIES
 
 IMPLICIT = functools.partial(DEQ, backward="implicit", solver="anderson", tol=1e-12, max_iter=500)
 UNROLLED = functools.partial(DEQ, backward="unroll", tol=1e-11, max_iter=3000)
 
-#: family -> its declaration's phantom probe (deqscore/families)
-FAMILIES = {name: d.phantom_probe for name, d in declarations().items() if d.phantom_probe}
 CASES = [*FAMILIES, "dkef_iterative"]
 pytestmark = pytest.mark.filterwarnings("ignore:Attribute .net. is an instance")
 

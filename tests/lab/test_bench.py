@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -381,15 +382,23 @@ def test_nice_rows_are_the_configs_modules(result):
 
 
 @pytest.mark.parametrize("program", ["study", "deq_vs_ffn", "kernels", "sync", "gpu"])
-def test_one_benchmark_program_runs_every_other_by_name(program, monkeypatch):
-    """``python -m deqlab <program> ARGS`` hands ARGS to that program's own main."""
-    import importlib
+def test_one_parser_tree_runs_every_program_by_name(program, monkeypatch):
+    """``python -m deqlab <program> ARGS``: ARGS parsed by that program's branch of the one tree, then its ``run``."""
+    from deqlab import cli
 
-    from deqlab import runner
+    top, programs = cli.parser_tree()
+    monkeypatch.setattr(cli.PROGRAMS[program], "run", lambda parser, args: (parser.prog, args.program, args.out))
+    assert main([program, "--out", "x"]) == (f"python -m deqlab {program}", program, Path("x") if program == "sync"
+                                             else "x")
+    assert set(programs) == {"study", "deq_vs_ffn", "kernels", "sync", "gpu"}
 
-    module = importlib.import_module(runner.PROGRAMS[program])
-    monkeypatch.setattr(module, "main", lambda argv: ("ran", argv))
-    assert runner.main([program, "--report-only", "x"]) == ("ran", ["--report-only", "x"])
+
+def test_no_laboratory_module_has_a_command_line_of_its_own():
+    lab = Path(__file__).resolve().parents[2] / "lab" / "deqlab"
+    entry_points = sorted(str(p.relative_to(lab)) for p in lab.rglob("__main__.py"))
+    own = [str(p.relative_to(lab)) for p in lab.rglob("*.py") if p.name != "__main__.py"
+           and ('if __name__ == "__main__"' in p.read_text() or ".parse_args(" in p.read_text())]
+    assert entry_points == ["__main__.py"] and own == []
 
 
 @pytest.mark.parametrize("argv, words", [

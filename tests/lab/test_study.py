@@ -9,13 +9,15 @@ import shutil
 import pytest
 import torch
 
-from deqlab import study
+from deqlab import main
+from deqlab.entries import STUDIES
 from deqlab.measure import code_version
-from deqlab.study import core, families, judging, protocol
+from deqlab.study import core, judging, protocol
 from deqlab.study import report as report_module
+from deqlab.study.families import families
 from deqlab.study.report import fmt
-from deqscore.families import declarations
 from deqscore.lightning.callbacks import read_metrics_csv
+from tests.families import fixture_file
 
 PROTOCOL = protocol.load()
 FAMILIES = families()
@@ -35,10 +37,10 @@ def run_study(tmp_path, name: str, *more: str) -> dict:
     """A tiny-budget study of the family's runnable variants at the configs' learning rates (tuning has its own
     test)."""
     family = FAMILIES[name]
-    options, fit = declarations()[name].study.tiny
-    return study.main(["--family", name, "--budget", str(2 / family.iterations), "--runs-root",
-                       str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--config-rates",
-                       "--variants", ",".join(runnable(name)), *options, *more, "--extra", *QUIET, *fit])
+    options, fit = fixture_file(name).STUDY_TINY
+    return main(["study", "--family", name, "--budget", str(2 / family.iterations), "--runs-root",
+                 str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--config-rates",
+                 "--variants", ",".join(runnable(name)), *options, *more, "--extra", *QUIET, *fit])
 
 
 # NCSN's run (a minute: sampling and Inception features) adds nothing the fast suite lacks: the study machinery is
@@ -48,7 +50,7 @@ def test_a_family_study_records_what_its_runs_logged_skips_recorded_units_and_wr
         tmp_path, monkeypatch, name):
     family = FAMILIES[name]
     units = run_study(tmp_path, name)[name]
-    seeds = [int(s) for s in declarations()[name].study.tiny[0][1].split(",")]
+    seeds = [int(s) for s in fixture_file(name).STUDY_TINY[0][1].split(",")]
     group = next(iter(family.groups)) if name != "dkef" else "redwine"
     variants = runnable(name)  # the protocol's
     assert [(u["group"], u["variant"], u["seed"]) for u in units] == [(group, v, s) for s in seeds for v in variants]
@@ -77,7 +79,7 @@ def test_a_family_study_records_what_its_runs_logged_skips_recorded_units_and_wr
             assert value["parameters"] == series["run/parameters"][-1][1]
             assert value["activation_memory_mb"] == series["run/activation_memory_mb"][-1][1]
         # a metric the run's test stage logged is reported as logged (NCSN's come from sample.py, below)
-        logged = [m.key for m in declarations()[name].study.metrics if f"test/{m.key}" in series]
+        logged = [m.key for m in STUDIES[name].metrics if f"test/{m.key}" in series]
         assert bool(logged) == (variant.trained and name != "ncsn")
         for key in logged:
             assert value["metrics"][key] == pytest.approx(series[f"test/{key}"][-1][1])
@@ -102,7 +104,7 @@ def test_a_family_study_records_what_its_runs_logged_skips_recorded_units_and_wr
     assert run_study(tmp_path, name)[name] == units
     # the page, from the unit files alone
     page = tmp_path / "results.md"
-    study.main(["--report", "--out", str(tmp_path / "out"), "--page", str(page)])
+    main(["study", "--report", "--out", str(tmp_path / "out"), "--page", str(page)])
     text = page.read_text()
     metric = family.metrics[0].key
     for unit in units[: len(family.variants)]:
@@ -140,7 +142,7 @@ def write_unit(out, family: str, group: str, variant: str, seed: int, metrics: d
 
 def report(tmp_path) -> str:
     page = tmp_path / "results.md"
-    study.main(["--report", "--out", str(tmp_path), "--page", str(page)])
+    main(["study", "--report", "--out", str(tmp_path), "--page", str(page)])
     return page.read_text()
 
 
@@ -368,7 +370,7 @@ def test_code_is_alike_only_where_the_change_misses_the_familys_code(monkeypatch
 ])
 def test_usage_errors_name_the_option_and_the_choices(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit):
-        study.main([*args, "--out", str(tmp_path)])
+        main(["study", *args, "--out", str(tmp_path)])
     assert message in capsys.readouterr().err
 
 
@@ -432,7 +434,7 @@ def test_a_unit_rerun_with_the_same_seed_code_and_threads_is_bit_identical(tmp_p
     assert reruns[0]["value"]["curves"] == units[0]["value"]["curves"]
     assert (tmp_path / "out" / "dkef" / "redwine" / "reruns" / "explicit_s0.json").exists()
     page = tmp_path / "results.md"
-    study.main(["--report", "--out", str(tmp_path / "out"), "--page", str(page)])
+    main(["study", "--report", "--out", str(tmp_path / "out"), "--page", str(page)])
     log_likelihood = units[0]["value"]["metrics"]["log_likelihood"]
     assert f"| redwine | explicit | 0 | {log_likelihood!r} | {log_likelihood!r} | 0.000 | **yes** | 1 / 1 |" in \
         page.read_text()
@@ -448,12 +450,12 @@ def test_each_arm_trains_at_the_rate_its_validation_chose(tmp_path, monkeypatch)
     unit = {"family": "x", "variant": "y", "value": {"validation": {"val/loss": [[9, -1.0], [19, -3.0], [29, -2.0]]}}}
     assert tuning.validation_figure(unit, {"validation": "val/loss", "better": "lower", "at": "best"}) == -3.0
     assert tuning.validation_figure(unit, {"validation": "val/loss", "better": "lower", "at": "last"}) == -2.0
-    family, options_fit = FAMILIES["dkef"], declarations()["dkef"].study.tiny
+    family, options_fit = FAMILIES["dkef"], fixture_file("dkef").STUDY_TINY
     figures = {1e-3: -1.0, 3e-3: -5.0, 1e-2: -2.0}  # validation losses by rate: 3e-3 is best
     monkeypatch.setattr(tuning, "validation_figure", lambda unit, rule: figures[rate_of(unit)])
-    units = study.main(["--family", "dkef", "--budget", str(2 / family.iterations), "--runs-root",
-                        str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--variants", "explicit",
-                        *options_fit[0], "--extra", *QUIET, *options_fit[1]])["dkef"]
+    units = main(["study", "--family", "dkef", "--budget", str(2 / family.iterations), "--runs-root",
+                  str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--variants", "explicit",
+                  *options_fit[0], "--extra", *QUIET, *options_fit[1]])["dkef"]
     option = PROTOCOL.family("dkef")["learning_rate"]["option"]
     assert f"{option}=0.003" in units[0]["value"]["arguments"] and units[0]["settings"]["learning_rate"] == "tuned"
     tuned = sorted(p.name for p in (tmp_path / "out" / "dkef" / "redwine" / "tuning").glob("*.json"))

@@ -113,7 +113,7 @@ def test_a_protocol_names_its_version_and_refuses_foreign_units(tmp_path):
 
 
 def test_the_protocol_covers_every_family_and_variant():
-    from deqlab.study import families
+    from deqlab.study.families import families
 
     protocol = protocol_module.load()
     for name, family in families().items():

@@ -7,7 +7,8 @@ import torch
 
 from deqscore.cli.train import main
 from deqscore.deq import DEQ
-from deqscore.families import NET, declarations
+from deqscore.families import declarations
+from tests.families import NET
 
 from .config_losses import TWO_STEPS, logged_training
 from .conftest import ROOT, tiny_args

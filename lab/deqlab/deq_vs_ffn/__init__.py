@@ -38,7 +38,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from deqscore.cli.errors import OneLineParser
 from deqscore.deq import DEQ
 from deqscore.metrics import parameter_count
 
@@ -264,11 +263,9 @@ def _shard(text: str) -> tuple[int, int]:
     return int(index), int(count)
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     protocol, _ = load_protocol()
     networks = tuple(k for k in protocol["networks"] if k != "deq_width")
-    parser = OneLineParser(prog="python -m deqlab deq_vs_ffn", description=__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", type=_list(str, TASKS), default=list(TASKS))
     parser.add_argument("--dims", type=_list(int), default=protocol["construction"]["dims"])
     parser.add_argument("--networks", type=_list(str, networks), default=list(networks))
@@ -278,16 +275,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=DEFAULT_OUT)
     parser.add_argument("--report-only", action="store_true", help="tables from the units on disk; train nothing")
-    return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse(argv)
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """The protocol's units ``args`` selects (resumed from those on disk) and their report."""
     protocol, sha = load_protocol()
     torch.set_num_threads(args.threads)
     records = run_all(args, protocol, sha)
     return write(records, args, protocol, sha)
-
-
-if __name__ == "__main__":
-    main()

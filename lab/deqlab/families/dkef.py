@@ -430,7 +430,7 @@ LOG_Z_REDRAWS = (4, 16)  # times the protocol's draws, tried in turn while the e
 
 
 def evaluate(run_dir: Path, checkpoint: Path, variant: StudyVariant, seed: int, evaluation: dict) -> dict:
-    """The study's evaluation of a trained DKEF run (see :mod:`deqlab.study.families`). A log Z resting on fewer
+    """The study's evaluation of a trained DKEF run (see :mod:`deqlab.study.evaluation`). A log Z resting on fewer
     effective draws than ``evaluation['log_z_ess_min']`` is estimated again with :data:`LOG_Z_REDRAWS` times the
     draws (the protocol's rule); the unit records the last estimate and every try's draws and ESS, and the report
     excludes it if it is still short."""

@@ -142,7 +142,7 @@ def section(s: Settings, device: torch.device) -> Table:
 
 
 def evaluate(run_dir: Path, checkpoint: Path, variant: StudyVariant, seed: int, evaluation: dict) -> dict:
-    """The study's evaluation of a trained NCSN run (see :mod:`deqlab.study.families`)."""
+    """The study's evaluation of a trained NCSN run (see :mod:`deqlab.study.evaluation`)."""
     out = run_dir / "samples"
     weights = ["--raw-weights"] if evaluation["weights"] == "trained" else []
     draw_samples(checkpoint, out, evaluation["samples"], seed,

@@ -85,7 +85,7 @@ def section(s: Settings, device: torch.device) -> Table:
 
 
 def evaluate(run_dir: Path, checkpoint: Path, variant: StudyVariant, seed: int, evaluation: dict) -> dict:
-    """The study's evaluation of a trained NICE run (see :mod:`deqlab.study.families`)."""
+    """The study's evaluation of a trained NICE run (see :mod:`deqlab.study.evaluation`)."""
     options = ["--model.init_args.exact_sm_batches=1",
                f"--model.init_args.exact_sm_samples={evaluation['exact_sm_images']}"]
     metrics = test_metrics(run_dir, checkpoint, options, ("log_likelihood", "bits_per_dim", "exact_sm", "loss"))

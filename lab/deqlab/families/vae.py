@@ -118,7 +118,7 @@ def section(s: Settings, device: torch.device) -> Table:
 
 
 def evaluate(run_dir: Path, checkpoint: Path, variant: StudyVariant, seed: int, evaluation: dict) -> dict:
-    """The study's evaluation of a trained VAE run (see :mod:`deqlab.study.families`)."""
+    """The study's evaluation of a trained VAE run (see :mod:`deqlab.study.evaluation`)."""
     options = ["--model.init_args.ais_batches=1", f"--data.init_args.eval_batch_size={evaluation['ais_images']}",
                f"--model.init_args.ais_steps={evaluation['ais_steps']}",
                f"--model.init_args.ais_chains={evaluation['ais_chains']}"]

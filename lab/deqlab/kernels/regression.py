@@ -30,7 +30,6 @@ import torch
 from deqlab.measure import environment, log
 from deqlab.report import Column, Table, table_markdown
 from deqlab.units import recorded
-from deqscore.cli.errors import OneLineParser
 from deqscore.sampling import pyplot
 
 from ..kernels import deq_nngp, deq_ntk, finite_depth_kernels
@@ -165,9 +164,7 @@ def write(rows: list[dict], args: argparse.Namespace, env: dict) -> dict:
     return doc
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = OneLineParser(prog="python -m deqlab kernels", description=__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", default="mnist", choices=["mnist"],
                         help="mnist (CIFAR-10 is not stored locally)")
     parser.add_argument("--n-train", default="1000,2000,5000", help="comma-separated training-subset sizes")
@@ -180,18 +177,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=DEFAULT_OUT)
-    args = parser.parse_args(argv)
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """The kernel regressions ``args`` asks for (resumed from the units on disk) and their report."""
     args.n_train = [int(v) for v in args.n_train.split(",") if v]
     args.depths = [int(v) for v in args.depths.split(",") if v]
-    return args
-
-
-def main(argv: list[str] | None = None) -> dict:
-    args = parse(argv)
     torch.set_num_threads(args.threads)
     env = environment(torch.device("cpu"))
     return write(run_all(args), args, env)
-
-
-if __name__ == "__main__":
-    main()

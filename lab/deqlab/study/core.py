@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deqscore.configfiles import composed_text
-from deqscore.families import Metric, declarations
+from deqscore.families import declarations
 from deqscore.lightning.callbacks import read_metrics_csv
 
+from ..entries import Metric
 from ..measure import changed_code
 from ..units import mean_stderr, recorded
 

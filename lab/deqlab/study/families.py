@@ -1,15 +1,13 @@
-"""The study's families, read from their declarations (:mod:`deqscore.families`): each declaration's ``study``
-entry gives the variants, training length and metrics, and the family's laboratory file
-(:mod:`deqlab.families`) its ``evaluate``, which scores a trained run. A new family declares these; nothing here
-names it.
+"""The study's families: every declared family (:mod:`deqscore.families`) with a study entry
+(:data:`deqlab.entries.STUDIES`, the variants, training length and metrics), and the family's laboratory file
+(:mod:`deqlab.families`) its ``evaluate``, which scores a trained run. Nothing here names a family.
 """
 
 from __future__ import annotations
 
 import functools
 
-from deqscore.families import declarations
-
+from ..entries import study_entries
 from ..families import family_file
 from .core import Family, Variant
 
@@ -18,11 +16,8 @@ from .core import Family, Variant
 def families() -> dict[str, Family]:
     """Every declared family with a study entry, its evaluation from its benchmark file."""
     out = {}
-    for name, declared in declarations().items():
-        study = declared.study
-        if study is None:
-            continue
-        variants = {key: Variant(declared.variant_config(v), v.label, v.overrides, v.steps_per_iteration, v.trained)
+    for name, (declared, study) in study_entries().items():
+        variants = {key: Variant(v.config_path(declared), v.label, v.overrides, v.steps_per_iteration, v.trained)
                     for key, v in study.variants.items()}
         evaluate = family_file(name).evaluate
         out[name] = Family(name, study.title, study.setting, study.iterations, variants, study.metrics, evaluate,

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from deqlab import deq_vs_ffn
+from deqlab import deq_vs_ffn, main
 from deqlab.deq_vs_ffn import DEQNet, Task, build, comparisons, ffn_parameters, judge, load_protocol
 from deqlab.kernels import regression as kernels
 from deqscore.deq import deq_backward
@@ -124,9 +124,9 @@ def test_comparisons_apply_the_margin_on_log10_metrics():
 
 
 def test_study_tiny_budget_writes_results_shards_and_resumes(tmp_path, monkeypatch):
-    first = deq_vs_ffn.main([*TINY, "--shard", "0/2", "--out", str(tmp_path)])
+    first = main(["deq_vs_ffn", *TINY, "--shard", "0/2", "--out", str(tmp_path)])
     assert first["units"] == 4  # every other unit of 2 tasks x 2 networks x 2 seeds
-    doc = deq_vs_ffn.main([*TINY, "--shard", "1/2", "--out", str(tmp_path)])  # its own half, the other half read
+    doc = main(["deq_vs_ffn", *TINY, "--shard", "1/2", "--out", str(tmp_path)])  # its own half, the other half read
     assert doc["units"] == 8 and len(list((tmp_path / "units").glob("*.json"))) == 8
     assert (tmp_path / "deq_vs_ffn.md").stat().st_size > 0
     rows = doc["sections"]["results"]["rows"]
@@ -139,15 +139,15 @@ def test_study_tiny_budget_writes_results_shards_and_resumes(tmp_path, monkeypat
         raise AssertionError("a recorded unit was run again")
 
     monkeypatch.setattr(deq_vs_ffn, "run_unit", refuse)
-    again = deq_vs_ffn.main([*TINY, "--out", str(tmp_path)])
+    again = main(["deq_vs_ffn", *TINY, "--out", str(tmp_path)])
     assert again["sections"]["results"]["rows"] == rows
-    other_budget = deq_vs_ffn.main([*TINY, "--steps", "4", "--report-only", "--out", str(tmp_path)])
+    other_budget = main(["deq_vs_ffn", *TINY, "--steps", "4", "--report-only", "--out", str(tmp_path)])
     assert other_budget["units"] == 0  # a unit recorded at another budget is not this study's
 
 
 def test_kernel_regression_tiny_budget_writes_results_and_resumes(tmp_path, monkeypatch):
     argv = ["--n-train", "60", "--n-test", "40", "--depths", "1,3", "--out", str(tmp_path)]
-    doc = kernels.main(argv)
+    doc = main(["kernels", *argv])
     rows = doc["sections"]["kernel_regression"]["rows"]
     names = {(r["kernel"], r["depth"]) for r in rows}
     assert names == {("deq_ntk", None), ("deq_nngp", None), ("fc_ntk", 1), ("fc_ntk", 3), ("fc_nngp", 1),
@@ -156,7 +156,7 @@ def test_kernel_regression_tiny_budget_writes_results_and_resumes(tmp_path, monk
     for f in ("kernels.md", "kernels.json", "accuracy_vs_depth.png"):
         assert (tmp_path / f).stat().st_size > 0
     monkeypatch.setattr(kernels, "run_unit", lambda *a: (_ for _ in ()).throw(AssertionError("ran again")))
-    assert kernels.main(argv)["sections"]["kernel_regression"]["rows"] == rows
+    assert main(["kernels", *argv])["sections"]["kernel_regression"]["rows"] == rows
 
 
 def test_regression_interpolates_the_training_set():
