@@ -119,7 +119,7 @@ COLUMNS = [
     Column("phantom_steps", "phantom K"), Column("solver_iters", "solver iters", ".1f"),
     Column("capped_solves", "capped solves", ".3f"), Column("contraction", "contraction", ".3f"),
     Column("derivative_error", "phantom deriv. err.", ".2g"), Column("gradient_error", "grad. err.", ".2g"),
-    Column("cpu_ms_per_step", "CPU ms / step", ".1f"),
+    Column("cpu_ms_per_step", "CPU ms / step (with validation)", ".1f"),
 ]
 
 
@@ -149,7 +149,7 @@ def tables(arms: list[dict], compared: list[dict], judged: list[dict], protocol:
         *([f"Off protocol: {off}."] if off else []),
     ])
     steep = [a for a in arms if a["network"].startswith("deq")]
-    norms = Table("deq_norms", "The DEQs' weights against d (seed 0's selected run and the seed means)", [
+    norms = Table("deq_norms", "The DEQs' weights against d (seed means; max norms: largest over seeds)", [
         Column("dim", "d"), Column("budget", "budget"), Column("gamma", "gamma cap", ".6g"),
         Column("recurrent_norm", "||W||_2", ".4f"), Column("max_spectral", "max ||U||, ||V||, ||W||", ".3f"),
         Column("spectral_product", "||U|| ||V|| / (1 - ||W||)", ".4g"), Column("max_abs", "max |w|", ".3f"),

@@ -1,5 +1,6 @@
-"""The study's tasks (steep along one coordinate, with exact samples and targets) and its networks under one
-weight-norm budget: a DEQ on deqscore's layer and constant-depth tanh networks with its parameter count."""
+"""The study's tasks (steep along one coordinate, with exact samples and targets), its networks (a DEQ on deqscore's
+layer, tanh networks matched to its parameter count or its FLOPs) under one Lipschitz budget per comparison, and the
+budget's provable floor."""
 
 from __future__ import annotations
 
