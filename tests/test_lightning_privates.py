@@ -4,8 +4,10 @@ one fails this file, naming it, rather than changing a run silently. The fits ar
 items in batches of 2 (4 batches an epoch), each batch stepping two optimisers, so that Lightning's
 ``global_step`` (optimizer steps) and its count of batches that stepped differ."""
 
+import ast
 import csv
 from datetime import timedelta
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -267,3 +269,57 @@ def test_a_loader_draws_its_indices_from_its_index_sampler():
     assert isinstance(privates.loader_index_sampler(DataLoader(data, batch_size=None)), SequentialSampler)
     loader = Reversed(data, batch_size=2)
     assert [b[0].tolist() for b in loader] == [[4, 5], [2, 3], [0, 1]] and len(loader) == 3
+
+
+def _defined_names(path):
+    """The names ``path`` defines: its functions and classes, and the attributes it assigns."""
+    tree = ast.parse(path.read_text())
+    names = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef | ast.ClassDef)}
+    return names | {t.attr for node in ast.walk(tree) for t in getattr(node, "targets", [getattr(node, "target", None)])
+                    if isinstance(t, ast.Attribute)}
+
+
+def _private_uses(path, own):
+    """``path``'s uses of another library's private: an underscore attribute of anything but the package's own
+    objects, an underscore attribute of ``self`` that no module of the package defines (one a base class from
+    another library brings), and an underscore name or module imported from Lightning, jsonargparse or
+    torch.utils.data. ``own``: the names the package defines."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            mine = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls") or (
+                isinstance(node.value, ast.Attribute) and node.value.attr in own)
+            if not (mine and node.attr in own):
+                found.append(f"{path.name}:{node.lineno}: .{node.attr}")
+        module = node.module or "" if isinstance(node, ast.ImportFrom) else ""
+        if module.split(".")[0] in ("pytorch_lightning", "lightning_fabric", "jsonargparse") or module.startswith(
+                "torch.utils.data"):
+            if "._" in f".{module}" or any(a.name.startswith("_") for a in node.names):
+                found.append(f"{path.name}:{node.lineno}: from {module} import ...")
+    return sorted(found)
+
+
+#: torch's own privates outside torch.utils.data, which this module does not cover: nn.Module._apply (the hook
+#: every ``.to()`` goes through) and the legacy-vmap batch dimensions of the implicit backward (deq/implicit.py)
+TORCH_PRIVATES = {"ncsn.py": {"._apply"}, "implicit.py": {"._C", "._vmapmode_increment_nesting",
+                                                          "._vmapmode_decrement_nesting", "._remove_batch_dim",
+                                                          "._add_batch_dim"}}
+
+
+def test_no_module_but_privates_uses_another_librarys_private():
+    package = Path(privates.__file__).parent
+    paths = sorted(package.rglob("*.py"))
+    own = set().union(*map(_defined_names, paths))
+    found = [use for path in paths if path.name != "privates.py" for use in _private_uses(path, own)
+             if use.split(": ", 1)[1] not in TORCH_PRIVATES.get(path.name, ())]
+    assert not found, "Lightning/jsonargparse/DataLoader privates outside deqscore/privates.py:\n" + "\n".join(found)
+
+
+def test_the_private_use_scan_sees_each_kind(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("from pytorch_lightning.core.mixins.hparams_mixin import _given\n"
+                     "class A:\n    def f(self, trainer):\n        self._mine = 1\n        return self._mine, "
+                     "trainer.fit_loop._x, self._trainer\n")
+    assert _private_uses(probe, _defined_names(probe)) == [
+        "probe.py:1: from pytorch_lightning.core.mixins.hparams_mixin import ...", "probe.py:5: ._trainer",
+        "probe.py:5: ._x"]

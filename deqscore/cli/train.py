@@ -10,7 +10,6 @@ grids and learning curves. Resuming needs only that directory::
 from __future__ import annotations
 
 import gc
-import importlib
 import importlib.util
 import inspect
 import math
@@ -149,8 +148,8 @@ class DeqscoreCLI(LightningCLIHooks):
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
-        except Exception as err:  # jsonargparse may wrap a constructor's error; report a deqscore one as one line
-            known = next((e for e in _chain(err) if isinstance(e, USAGE_ERRORS)), None) or self._data_error(str(err))
+        except Exception as err:  # jsonargparse wraps a constructor's error as the cause of its own; one line
+            known = next((e for e in _chain(err) if isinstance(e, USAGE_ERRORS)), None)
             if known is None:
                 raise  # unexpected: keeps its traceback
             option = self._option_named_by(str(known))
@@ -186,22 +185,6 @@ class DeqscoreCLI(LightningCLIHooks):
             return min(named)[1]  # the option the message starts from
         quoted = (o for o, _, value in options if isinstance(value, str) and len(value) > 2 and value in message)
         return next(quoted, None)
-
-    def _data_error(self, message: str) -> Exception | None:
-        """A deqscore error of the data module's constructor that jsonargparse reported only as text (a failed Union
-        subtype): the data module is built again here to get the error itself. None for any other error."""
-        cfg = self._subcommand_config()
-        data = cfg.get("data")
-        if not isinstance(data, Namespace) or f"class_path='{data.class_path}'" not in message:
-            return None
-        module, _, name = data.class_path.rpartition(".")
-        try:
-            getattr(importlib.import_module(module), name)(**self._groups().get("data", {}))
-        except USAGE_ERRORS as err:
-            return err
-        except Exception:
-            return None
-        return None
 
     def read_ckpt_path(self) -> None:
         # Lightning would replace the config's model options by the checkpoint's hyper-parameters. Here what the
