@@ -305,7 +305,8 @@ class DEQ(nn.Module):
             named = [(n, p) for n, p in self.func.named_parameters() if p.requires_grad]
             additive = frozenset({0}) if getattr(self.func, "additive_injection", False) else frozenset()
             level = Level(self, map_value(self.func, [n for n, _ in named]), additive=additive)
-            return FixedPoint.apply(level, cast(z_init), u, *(p for _, p in named))
+            # as views, not leaves: the engine can then tell whether a backward uses their partials (implicit._wanted)
+            return FixedPoint.apply(level, cast(z_init), u, *(p.view_as(p) for _, p in named))
 
     def solve_level(self, level: int, step: Callable[[torch.Tensor], torch.Tensor], like: torch.Tensor,
                     start: torch.Tensor | None) -> torch.Tensor:
