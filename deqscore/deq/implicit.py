@@ -78,7 +78,10 @@ class Level:
     def solve(self, tensors: Sequence[Tensor], start: Tensor | None) -> Tensor:
         like = tensors[0] if self.outer is None else tensors[1]  # the input u, or the incoming gradient
         with torch.no_grad():
-            return self.host.solve_level(self.index, self.step(tensors), like, start)
+            z = self.host.solve_level(self.index, self.step(tensors), like, start)
+        # a solver may return a view of its history (Anderson's images): the Function saves its output, which
+        # would keep the whole history alive until the step's backward
+        return z.clone() if z.untyped_storage().nbytes() > z.numel() * z.element_size() else z
 
 
 def _adjoint_value(value: Value) -> Value:
