@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 from torch._C._functorch import is_legacy_batchedtensor
-from torch.autograd.graph import get_gradient_edge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.func import functional_call, vjp
 
 Value = Callable[..., Tensor]  # value(z, *tensors) -> f(z; tensors), differentiable in all its arguments
@@ -105,7 +105,7 @@ class FixedPoint(torch.autograd.Function):
         level, _, *tensors = inputs
         ctx.level = level
         # where each input's gradient goes: a partial the engine will not use is not computed (_wanted)
-        ctx.edges = [get_gradient_edge(t) if t.requires_grad else None for t in tensors]
+        ctx.edges = [_edge(t) for t in tensors]
         for i in level.additive | level.absent:  # what the backward computes does not depend on their values
             tensors[i] = tensors[i].new_zeros(()).expand_as(tensors[i])
         ctx.save_for_backward(output, *tensors)
@@ -164,12 +164,19 @@ def _pullback(level: Level, needed: Sequence[bool], z: Tensor, tensors: Sequence
     return parts
 
 
-def _wanted(edge) -> bool:  # noqa: ANN001 (torch.autograd.graph.GradientEdge)
+def _edge(t: Tensor) -> GradientEdge | bool:
+    """Where ``t``'s gradient goes (False: nowhere; True: unknown, a view made under no_grad)."""
+    if not t.requires_grad:
+        return False
+    return get_gradient_edge(t) if t.grad_fn is not None or t.is_leaf else True
+
+
+def _wanted(edge: GradientEdge | bool) -> bool:
     """Whether the running backward will use the gradient sent along ``edge``: ``autograd.grad(..., inputs)``
     skips what does not lead to its inputs (the score's input gradient needs no parameter partial). Unknown (a leaf
     under ``autograd.grad``, which the engine cannot tell) counts as used."""
-    if edge is None:
-        return False
+    if isinstance(edge, bool):
+        return edge
     try:
         return bool(torch._C._will_engine_execute_node(edge.node))
     except RuntimeError:
