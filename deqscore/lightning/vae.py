@@ -42,7 +42,7 @@ from pytorch_lightning.strategies import DDPStrategy
 from ..errors import ConfigError, check_count, check_real
 from ..metrics.ais import ais_log_likelihood
 from ..models import GaussianVAE, ImplicitVAE
-from ..privates import finds_unused_parameters
+from ..privates import attached_trainer, finds_unused_parameters
 from .base import ScoreModule
 
 
@@ -132,7 +132,7 @@ class VAEModule(ScoreModule):
     def _smoke_validation(self) -> bool:
         """Whether this validation only checks that the loop runs (Lightning's sanity check before training, or a
         ``fast_dev_run``): nothing it logs is kept or monitored, so its AIS (minutes on a CPU) is skipped."""
-        trainer = self._trainer
+        trainer = attached_trainer(self)
         return trainer is not None and (trainer.sanity_checking or bool(trainer.fast_dev_run))
 
     # ----- samples ------------------------------------------------------------------------------------------
