@@ -218,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"wrote {files.shape[0]} samples {list(files.shape[1:])} of the {module.family!r} model to {files.array} "
           f"and a grid of the first {min(files.shape[0], GRID_SIZE)} to {files.grid}")
+    cost = getattr(module, "sampling_report", None)  # a family's sampler cost (EDM: evaluations, DEQ iterations)
+    if cost is not None and cost():
+        print(cost())
     report_path = Path(args.out) / REPORT_NAME
     if fid is not None:
         try:
