@@ -1,5 +1,5 @@
 """EDM denoisers (Karras et al. 2022): a preconditioned network ``D(x; sigma)``, its loss, and a small U-Net with
-an explicit or a DEQ middle (docs/method.md; the family's module is :mod:`deqscore.lightning.edm`).
+an explicit or a DEQ middle (the family's module is :mod:`deqscore.lightning.edm`).
 
 **Preconditioning** (:func:`edm_coefficients`): for data of standard deviation ``sigma_data``,
 ``D(x; sigma) = c_skip x + c_out F(c_in x, c_noise)`` with ``c_skip = sd^2 / (sigma^2 + sd^2)``,

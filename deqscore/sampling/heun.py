@@ -6,7 +6,9 @@ for ``i < N`` and ``sigma_N = 0``. From ``x_0 = sigma_max n``, ``n ~ N(0, I)``, 
 ``x' = x_i + (sigma_{i+1} - sigma_i) d_i`` with ``d_i = (x_i - D(x_i; sigma_i)) / sigma_i`` and, except the last
 (``sigma_N = 0``), corrects it with the slope at ``x'``: ``x_{i+1} = x_i + (sigma_{i+1} - sigma_i) (d_i + d') / 2``.
 ``N`` steps cost ``2N - 1`` denoiser evaluations (18 steps: 35). The only randomness is ``x_0`` (one generator),
-so a seed fixes the samples.
+so a seed fixes the samples. Driven by the exact denoiser of a 2-D Gaussian mixture, 18 steps leave the samples'
+variance about 8 % too large; the error falls about 4x per doubling of the steps (second order), and at 128 steps
+the moments are the data's within Monte-Carlo error (``tests/models/test_edm_mixture.py``).
 
 >>> import torch
 >>> sampler = EDMHeun(num_steps=18, progress=False)
