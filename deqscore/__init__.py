@@ -1,8 +1,8 @@
 """deqscore: memory-efficient score matching with deep-equilibrium layers, on PyTorch Lightning.
 
 Sub-packages: :mod:`deqscore.deq` (solvers, DEQ layer), :mod:`deqscore.losses`, :mod:`deqscore.models`,
-:mod:`deqscore.data`, :mod:`deqscore.lightning`, :mod:`deqscore.sampling`, :mod:`deqscore.metrics` and
-:mod:`deqscore.bench`.
+:mod:`deqscore.data`, :mod:`deqscore.lightning`, :mod:`deqscore.sampling` and :mod:`deqscore.metrics`. The
+benchmarks and the reproduction study are the repository's laboratory (``lab/``), a distribution of its own.
 
 >>> import torch
 >>> from deqscore.losses import exact_score_matching

@@ -1,8 +1,12 @@
-"""Config files that compose. A config may name a base, ``base: _shared.yaml`` (or a list, applied in order), a
-path relative to the config's own folder; the config's options then override the base's: mappings are merged key by
-key, anything else (a value, a list) is replaced whole. Every reader of a config goes through :func:`load_config`
-(the command line, the benchmarks, the tests), so a config means the same everywhere. Files whose names start with
-``_`` are bases, not runnable configs.
+"""Config files that compose. A config may name a base, ``base: _shared.yaml`` (or a list, applied in order): a
+path relative to the config's own folder, or ``deqscore:<path>``, a config shipped in the repository's
+``configs/`` folder (``base: deqscore:dkef/deq.yaml`` works from anywhere, so a copy of a shipped config can name its
+bases that way). The config's options then override the base's: mappings are merged key by key, anything else (a
+value, a list) is replaced whole. Any config may be a base, a runnable one included (``dkef/deq_reference.yaml``
+is ``deq.yaml`` plus one option); files whose names start with ``_`` are only bases, never run alone. A relative
+base that is not there (a config copied out of ``configs/``) is reported in one line that names the
+``deqscore:`` path of the shipped file it meant. Every reader of a config goes through :func:`load_config` (the
+command line, the benchmarks, the tests), so a config means the same everywhere.
 
 The trainer's callbacks may be written as a mapping of named callbacks (``trainer.callbacks.checkpoint: {class_path:
 ..., init_args: ...}``), so that they compose like any other mapping: a config changes one option of a base's
@@ -29,6 +33,9 @@ from typing import Any
 import yaml
 
 BASE_KEY = "base"
+#: ``base: deqscore:<path>`` names a config of this folder, wherever the config naming it is
+SHIPPED_PREFIX = "deqscore:"
+SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 class ConfigFileError(ValueError):
@@ -36,7 +43,8 @@ class ConfigFileError(ValueError):
 
 
 def is_base(path: str | Path) -> bool:
-    """A base config (its name starts with ``_``), composed into others, never run alone."""
+    """A config that is only a base (its name starts with ``_``), composed into others, never run alone; any other
+    config is runnable, and may be a base too."""
     return Path(path).name.startswith("_")
 
 
@@ -125,11 +133,45 @@ def _merged_bases(path: Path, bases: str | list[str], seen: tuple[Path, ...]) ->
         raise ConfigFileError(f"{path}: its bases name it again ({' -> '.join(str(p) for p in seen)})")
     out: dict[str, Any] = {}
     for base in [bases] if isinstance(bases, str) else bases:
-        base_path = path.parent / base
-        if not base_path.is_file():
-            raise ConfigFileError(f"{path}: its base {base} is not a file ({base_path})")
+        base_path = base_file(path, base)
         out = merged(out, _composed(base_path, read_mapping(base_path), (*seen, path.resolve())))
     return out
+
+
+def base_file(path: Path, base: str) -> Path:
+    """The file that ``base``, named by the config at ``path``, stands for; :class:`ConfigFileError` in one line,
+    saying what to write instead, when it is not there."""
+    if not isinstance(base, str):
+        raise ConfigFileError(f"{path}: base must be a file name or a list of them, got {base!r}")
+    if base.startswith(SHIPPED_PREFIX):
+        base_path = SHIPPED_CONFIGS / base[len(SHIPPED_PREFIX):]
+        if not SHIPPED_CONFIGS.is_dir():
+            raise ConfigFileError(f"{path}: its base {base} names the configs shipped with deqscore, but there are "
+                                  f"none beside this installation ({SHIPPED_CONFIGS}); copy that file beside "
+                                  f"{path.name} and name it by its file name")
+        if not base_path.is_file():
+            raise ConfigFileError(f"{path}: its base {base} is not a shipped config ({base_path})")
+        return base_path
+    base_path = path.parent / base
+    if not base_path.is_file():
+        raise ConfigFileError(f"{path}: its base {base} is not a file ({base_path}){_shipped_hint(path, base)}")
+    return base_path
+
+
+def _shipped_hint(path: Path, base: str) -> str:
+    """What a config copied out of ``configs/`` writes instead of a relative base: the ``deqscore:`` path of the
+    shipped file of that name (of the folder holding the file the config is a copy of, where several have that
+    name)."""
+    if not SHIPPED_CONFIGS.is_dir():
+        return ""
+    found = sorted(SHIPPED_CONFIGS.rglob(Path(base).name))
+    if len(found) > 1:  # e.g. _mnist.yaml of several families: the one beside a file the config is a copy of
+        text = path.read_bytes()
+        found = [f for f in found if any(g.read_bytes() == text for g in f.parent.glob("*.yaml"))] or found
+    if not found:
+        return ""
+    names = " or ".join(f"{BASE_KEY}: {SHIPPED_PREFIX}{f.relative_to(SHIPPED_CONFIGS).as_posix()}" for f in found)
+    return f"; a config copied out of configs/ names a shipped base from anywhere: write {names}"
 
 
 def composes(path: str | Path) -> bool:

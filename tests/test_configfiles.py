@@ -7,6 +7,7 @@ from collections import defaultdict
 import pytest
 import yaml
 
+from deqscore import configfiles
 from deqscore.cli.train import main, run
 from deqscore.configfiles import (
     ConfigFileError,
@@ -138,3 +139,61 @@ def test_no_block_of_options_is_written_in_more_than_two_config_files(tmp_path):
         (("seed_everything",), "1"), (("trainer",), json.dumps(block["trainer"], sort_keys=True)),
         (("trainer", "callbacks", "[]"), json.dumps(block["trainer"]["callbacks"][0], sort_keys=True)),
         (("trainer", "callbacks", "[]", "init_args"), '{"save_last": true}')}
+
+
+# ----- bases: runnable configs, shipped configs from anywhere, copies --------------------------------------------
+def test_a_runnable_config_is_a_base():
+    reference, deq = load_config(ROOT / "configs/dkef/deq_reference.yaml"), load_config(ROOT / "configs/dkef/deq.yaml")
+    assert not is_base(ROOT / "configs/dkef/deq.yaml")  # a runnable config
+    deq["run_name"] = "dkef_deq_reference"
+    deq["model"]["init_args"]["net"]["init_args"]["deq"]["init_args"]["injection_prestep"] = True
+    assert reference == deq  # deq.yaml plus the pre-step, nothing written twice
+
+
+def test_a_shipped_config_is_a_base_from_anywhere(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    mine = write(tmp_path / "elsewhere" / "mine.yaml", {"base": "deqscore:dkef/deq.yaml", "run_name": "mine",
+                                                        "data": {"init_args": {"dataset": "highdim"}}})
+    expected = load_config(ROOT / "configs/dkef/deq.yaml")
+    expected["run_name"], expected["data"]["init_args"]["dataset"] = "mine", "highdim"
+    assert load_config(mine) == expected
+    write(mine, {"base": "deqscore:dkef/nothing.yaml"})
+    with pytest.raises(ConfigFileError, match="its base deqscore:dkef/nothing.yaml is not a shipped config"):
+        load_config(mine)
+    monkeypatch.setattr(configfiles, "SHIPPED_CONFIGS", tmp_path / "no-configs")  # an installation without them
+    write(mine, {"base": "deqscore:dkef/deq.yaml"})
+    with pytest.raises(ConfigFileError, match="there are none beside this installation .*; copy that file beside "
+                                              "mine.yaml and name it by its file name"):
+        load_config(mine)
+
+
+@pytest.mark.parametrize(("shipped", "suggestion"), [("ncsn/deq_mnist.yaml", "deqscore:ncsn/_mnist.yaml"),
+                                                     ("vae/deq_mnist.yaml", "deqscore:vae/_implicit_mnist.yaml"),
+                                                     ("dkef/deq_reference.yaml", "deqscore:dkef/deq.yaml"),
+                                                     ("dkef/deq.yaml", "deqscore:dkef/_dkef.yaml")])
+def test_a_config_copied_out_of_configs_says_in_one_line_what_to_write(tmp_path, capsys, shipped, suggestion):
+    copy = tmp_path / "copy.yaml"
+    copy.write_bytes((ROOT / "configs" / shipped).read_bytes())
+    assert run(["fit", "--config", str(copy)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.rstrip().endswith(f"a config copied out of configs/ names a shipped base from anywhere: write base: "
+                                 f"{suggestion}"), err
+    # and what it says works: the copy then means what the shipped config means
+    text = copy.read_text()
+    old = yaml.safe_load(text)["base"]
+    copy.write_text(text.replace(f"base: {old}", f"base: {suggestion}"))
+    assert load_config(copy) == load_config(ROOT / "configs" / shipped)
+
+
+@pytest.mark.parametrize("config", ["dkef/deq.yaml", "ncsn/deq_cifar10.yaml"])
+def test_print_config_shows_the_samplers_settings_and_no_ignored_dimension(config, capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(ROOT / "configs" / config), "--print_config"])
+    printed = yaml.safe_load(capsys.readouterr().out)
+    sampler = printed["model"]["init_args"]["sampler"]
+    expected = {"dkef/deq.yaml": ("deqscore.sampling.Langevin", {"n_steps", "step_size", "metropolis"}),
+                "ncsn/deq_cifar10.yaml": ("deqscore.sampling.AnnealedLangevin", {"n_steps_each", "step_lr"})}[config]
+    assert sampler["class_path"] == expected[0] and expected[1] <= set(sampler["init_args"])
+    assert printed["data"]["init_args"].get("dim") is None  # the network's dim is the data's, linked

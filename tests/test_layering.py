@@ -1,7 +1,10 @@
 """Floors that read top-down: a package imports only from the floors below it (docs/contributing.md, "The
-layers"). Checked on the import statements of every module, so a new upward import fails here."""
+layers"). Checked on the import statements of every module, so a new upward import fails here. The laboratory
+(``lab/``, package ``deqlab``) sits above the whole library: no library module names it, in an import or in a
+string a dynamic import could read."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -9,7 +12,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "deqscore"
 # floor of each subpackage (a module may import its own floor and every lower one)
 FLOORS = {"errors": 0, "files": 0, "finite": 0, "configfiles": 0, "deq": 1, "losses": 1, "data": 1, "metrics": 2,
-          "sampling": 2, "models": 3, "kernels": 3, "lightning": 4, "families": 5, "cli": 6, "bench": 6}
+          "families": 1, "sampling": 2, "models": 3, "lightning": 4, "cli": 6}
 
 
 def _imported_subpackages(path: Path, package: Path = PACKAGE) -> set[str]:
@@ -53,10 +56,30 @@ def test_the_scan_sees_relative_and_absolute_imports(tmp_path):
     assert _imported_subpackages(module, tmp_path / "deqscore") == {"lightning", "cli", "sampling"}
 
 
+LAB = re.compile(r"\bdeqlab\b")
+
+
+def _names_the_laboratory(path: Path) -> list[str]:
+    return [f"{path.name}:{i}: {line.strip()}" for i, line in enumerate(path.read_text().splitlines(), 1)
+            if LAB.search(line)]
+
+
+def test_the_library_never_names_the_laboratory():
+    found = [hit for path in sorted(PACKAGE.rglob("*.py")) for hit in _names_the_laboratory(path)]
+    assert not found, "the library names the laboratory:\n" + "\n".join(found)
+
+
+def test_the_laboratory_check_sees_a_dynamic_import(tmp_path):
+    module = tmp_path / "probe.py"
+    module.write_text('import importlib\nsection = importlib.import_module("deqlab.families.nice").section\n')
+    assert _names_the_laboratory(module) == [f"probe.py:2: {module.read_text().splitlines()[1]}"]
+
+
 MAX_LINES = 450  # a module longer than this holds more than one idea: split it (docs/contributing.md)
 
 
-def test_no_module_is_over_450_lines():
-    lengths = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+def test_no_module_is_over_450_lines():  # the library's and the laboratory's
+    lengths = {str(p.relative_to(PACKAGE.parent)): len(p.read_text().splitlines())
+               for p in [*PACKAGE.rglob("*.py"), *(PACKAGE.parent / "lab" / "deqlab").rglob("*.py")]}
     assert {path: n for path, n in lengths.items() if n > MAX_LINES} == {}
     assert max(lengths.values()) > MAX_LINES / 2  # the scan reads the modules themselves

@@ -231,6 +231,11 @@ def _usage_error(argv: list, capsys, root: Path) -> str:
     (["--batch-size", "0"], "--batch-size", "must be >= 1, got 0"),
     (["--batch-size", "-1"], "--batch-size", "must be >= 1, got -1"),
     (["--device", "gpu7"], "--device", "'gpu7' is not a device"),
+    (["--steps", "0"], "--steps", "must be >= 1, got 0"),
+    (["--step-size", "0"], "--step-size", "must be a finite number > 0, got 0"),
+    (["--step-size", "-0.1"], "--step-size", "must be a finite number > 0, got -0.1"),
+    (["--step-size", "nan"], "--step-size", "must be a finite number > 0, got nan"),
+    (["--step-size", "big"], "--step-size", "expected a number > 0, got 'big'"),
 ])
 def test_bad_counts_and_devices_are_usage_errors(tmp_path, checkpoint, capsys, no_loading, extra, option, words):
     err = _usage_error(["--checkpoint", checkpoint, "--out", tmp_path / "out", *extra], capsys, tmp_path)
@@ -284,10 +289,23 @@ def test_missing_and_unreadable_checkpoints_are_usage_errors(tmp_path, capsys):
         assert words in err, err
 
 
-def test_a_model_without_images_is_a_usage_error(tmp_path, capsys):
+def test_a_model_without_images_writes_points_and_refuses_what_needs_images_or_a_chain(tmp_path, capsys):
     path = _save_checkpoint(tmp_path / "nocodec.ckpt", codec=None)
-    err = _usage_error(["--checkpoint", path, "--out", tmp_path / "out"], capsys, tmp_path)
-    assert "--checkpoint: " in err and "no image codec" in err
+    _run(["--checkpoint", path, "--num-samples", 5, "--out", tmp_path / "a", "--batch-size", 3, "--seed", 2])
+    out = capsys.readouterr().out.strip().splitlines()[-1]
+    arr = np.load(tmp_path / "a" / "samples.npz")["samples"]
+    module = load_module(path).eval()
+    torch.manual_seed(2)
+    np.testing.assert_array_equal(arr, torch.cat([module.sample(3), module.sample(2)]).numpy())  # model space
+    assert (tmp_path / "a" / "samples.png").stat().st_size > 0
+    assert out == (f"wrote 5 samples [4] of the 'nice' model to {tmp_path}/a/samples.npz, and a pairwise scatter "
+                   f"plot of dimensions (1, 2), (3, 4) to {tmp_path}/a/samples.png (the checkpoint records no data)")
+    for extra, words in ((["--fid"], "--fid: the 'nice' model was not trained on images"),
+                         (["--steps", "3"], "--steps: the 'nice' model has no Langevin sampler"),
+                         (["--step-size", "0.1"], "--step-size: the 'nice' model has no Langevin sampler"),
+                         (["--final-denoise", "off"], "--final-denoise: the 'nice' model has no annealed Langevin")):
+        err = _usage_error(["--checkpoint", path, "--out", tmp_path / "out", *extra], capsys, tmp_path)
+        assert words in err, err
 
 
 def test_missing_options_are_one_line(tmp_path, capsys):

@@ -10,8 +10,10 @@ rank 0 was lost. A rank that is alive but stuck makes the others wait until the 
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,11 +57,27 @@ def local_ranks(strategy: Any) -> list[tuple[int, subprocess.Popen]]:
     return [(first + local, proc) for local, proc in enumerate(procs, start=1)]
 
 
+def transport_text(err: BaseException, budget: int = 240) -> str:
+    """The backend's own words for a failed collective: the first line of ``err`` without gloo's source location
+    (``[.../pair.cc:538] ``), in whole sentences: the first always, the next ones while they fit in ``budget``
+    characters (gloo's second sentence says what typically causes the failure)."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    text = re.sub(r"^\[[^\]]*:\d+\]\s*", "", first)
+    sentences = re.split(r"(?<=\.)\s+(?=[A-Z])", text)
+    kept = sentences[0]
+    for sentence in sentences[1:]:
+        if len(kept) + 1 + len(sentence) > budget:
+            break
+        kept += " " + sentence
+    return kept
+
+
 def lost_rank_message(err: BaseException, strategy: Any, launcher_lost: bool, timeout_s: float,
-                      checkpoint: str) -> str | None:
+                      checkpoint: str | Path | None) -> str | None:
     """One line for a collective's failure: which ranks died (and how) or did not answer, what was done about
-    them; None when this process cannot tell more than the error does and should stay quiet (a rank other than
-    the first, whose launcher is alive: the first process reports)."""
+    them, and the checkpoint to resume from (None: the run had saved none); None when this process cannot tell more
+    than the error does and should stay quiet (a rank other than the first, whose launcher is alive: the first
+    process reports)."""
     died, stuck = [], []
     for rank, proc in local_ranks(strategy):
         code = proc.poll()
@@ -80,5 +98,6 @@ def lost_rank_message(err: BaseException, strategy: Any, launcher_lost: bool, ti
         what = "a process on another node was lost or stopped answering (see its log)"
     else:
         return None
-    return (f"{what}: the run stopped in a collective ({str(err).splitlines()[0][:160]}). Its last checkpoint is "
-            f"kept: resume with --ckpt_path {checkpoint}")
+    after = (f"Its last checkpoint is kept: resume with --ckpt_path {checkpoint}" if checkpoint is not None else
+             "It had saved no checkpoint yet: launch it again as it was")
+    return f"{what}: the run stopped in a collective ({transport_text(err).rstrip('.')}). {after}"

@@ -4,10 +4,17 @@
 
 The model family and the data transform to undo are read from the checkpoint. Writes, in ``--out``:
 
-* ``samples.npz``: all N samples as the array ``samples`` ``[N, C, H, W]`` of images in [0, 1] (``float32``),
-  written batch by batch as they are drawn, so memory stays one batch whatever N (50,000 CIFAR-10 samples are
-  600 MB on disk). Read it with ``np.load(path)["samples"]``.
-* ``samples.png``: a grid of the first ``min(N, 100)`` samples.
+* ``samples.npz``: all N samples as the array ``samples``, written batch by batch as they are drawn, so memory
+  stays one batch whatever N (50,000 CIFAR-10 samples are 600 MB on disk). Read it with
+  ``np.load(path)["samples"]``. A model of images writes ``[N, C, H, W]`` images in [0, 1] (``float32``); a model
+  of points (DKEF on UCI tables) writes ``[N, D]`` points in the data's own units (its whitening undone).
+* ``samples.png``: a grid of the first ``min(N, 100)`` images; for points, a plot of the first
+  ``min(N, 2000)`` samples against the held-out (test) rows of the data the checkpoint records, where they can be
+  read: a density plot for 2-D points, a scatter plot of a few dimension pairs for more.
+
+Energy models (DKEF) are sampled by Langevin dynamics on their density, Metropolis-adjusted as the checkpoint's
+sampler says; ``--steps`` and ``--step-size`` override the chain's length and step size (for NCSN's annealed
+sampler: the steps per noise level and the base step size), and the acceptance rate is printed.
 
 Both are written as ``.samples.partial.<pid>.npz`` / ``.png`` and renamed when complete, so an interrupted run
 never leaves a ``samples.npz`` that looks complete (an existing one from an earlier run is replaced only then).
@@ -19,14 +26,17 @@ the ``samples.npz`` it describes. Drawing without ``--fid`` into a folder whose 
 samples replaced removes that ``fid.json`` (it would report an FID these samples do not have); one that still
 matches (the same seed and batch size draw the same samples) is kept. The same ``--seed`` and ``--batch-size``
 give the same samples. Mistakes in the options (a
-missing or unreadable checkpoint, an ``--out`` that cannot be written, counts below 1, an unavailable device,
-``--fid`` without reference images or statistics) are reported in one line with exit status 2, and nothing
+missing or unreadable checkpoint, an ``--out`` that cannot be written, counts or step sizes not above 0, an
+unavailable device, ``--fid`` without reference images or statistics or for a model of points, a sampler option
+the model's sampler does not have) are reported in one line with exit status 2, and nothing
 written; the output location and the FID reference are checked before anything is drawn.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import math
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +45,7 @@ import torch
 from ..errors import ConfigError
 from ..lightning import CheckpointFamilyError, ScoreModule, load_module
 from ..metrics.memory import peak_tensor_bytes
+from ..sampling.plots import save_point_plot
 from ..sampling.stream import GRID_SIZE, OutputError, check_output_dir, stream_samples
 from .errors import OneLineParser, print_error, usage_error
 from .fid_job import REPORT_NAME, FIDJob, report_matches
@@ -50,6 +61,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="path to a .ckpt written by train.py")
@@ -61,12 +82,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="sample with the trained weights, not their average (runs with EMA weight averaging)")
     parser.add_argument("--final-denoise", choices=["on", "off"], default=None,
                         help="Langevin samplers: override the checkpoint's final denoising step (FID with and without)")
+    parser.add_argument("--steps", type=positive_int, default=None,
+                        help="Langevin samplers: steps of each chain (annealed: per noise level), instead of the "
+                             "checkpoint's")
+    parser.add_argument("--step-size", type=positive_float, default=None,
+                        help="Langevin samplers: the step size (annealed: the base step size), instead of the "
+                             "checkpoint's")
     fid = parser.add_argument_group("FID (--fid)")
     fid.add_argument("--fid", action="store_true",
                      help="compute the FID of the samples against the training set's statistics; writes fid.json")
     fid.add_argument("--fid-stats", default=None,
                      help="an .npz with mu and sigma to compare with instead (e.g. published statistics)")
-    fid.add_argument("--data-dir", default=None, help="folder of the training images (default: the run's)")
+    fid.add_argument("--data-dir", default=None,
+                     help="folder of the training images, or of a point model's data files (default: the run's)")
     fid.add_argument("--reference-images", type=positive_int, default=None,
                      help="training images in the reference statistics (default: the whole training split)")
     fid.add_argument("--stats-root", default="datasets/fid_stats", help="cache of reference statistics")
@@ -179,6 +207,67 @@ def load(checkpoint: str, device: torch.device, raw_weights: bool = False) -> Sc
         usage_error(f"--checkpoint: {one_line(err)}")
 
 
+#: samples of a model of points in its plot
+PLOT_POINTS = 2000
+#: sample.py's option -> the attribute it sets, by sampler (Langevin's, then AnnealedLangevin's)
+SAMPLER_OPTIONS = {"steps": ("n_steps", "n_steps_each"), "step_size": ("step_size", "step_lr")}
+
+
+def set_sampler_options(module: ScoreModule, args: argparse.Namespace) -> None:
+    """``--final-denoise``, ``--steps`` and ``--step-size`` set on the module's sampler, or a usage error naming
+    the option the sampler does not have."""
+    sampler = getattr(module, "sampler", None)
+    if args.final_denoise is not None:
+        if not hasattr(sampler, "final_denoise"):
+            usage_error(f"--final-denoise: the {module.family!r} model has no annealed Langevin sampler")
+        sampler.final_denoise = args.final_denoise == "on"
+    for option, attributes in SAMPLER_OPTIONS.items():
+        value = getattr(args, option)
+        if value is None:
+            continue
+        attribute = next((a for a in attributes if hasattr(sampler, a)), None)
+        if attribute is None:
+            usage_error(f"--{option.replace('_', '-')}: the {module.family!r} model has no Langevin sampler")
+        setattr(sampler, attribute, value)
+
+
+def held_out_points(module: ScoreModule, data_dir: str | None) -> tuple[Any, str]:
+    """The test rows of the data a point model was trained on, in the data's units (rebuilt from the options the
+    checkpoint records; ``data_dir`` in place of their folder), and a note; None and why where they cannot be read."""
+    source = getattr(module, "data_source", None)
+    if source is None:
+        return None, "the checkpoint records no data"
+    options = {k: v for k, v in source.items() if k != "class_path"}
+    if data_dir is not None:
+        options["root"] = data_dir
+    try:
+        module_name, _, class_name = source["class_path"].rpartition(".")
+        datamodule = getattr(importlib.import_module(module_name), class_name)(**options)
+        datamodule.setup("test")
+        rows = datamodule.test_data.double()
+    except Exception as err:  # noqa: BLE001 - missing files, a moved class: the samples are drawn all the same
+        return None, f"the held-out data could not be read ({one_line(err)})"
+    whitening = getattr(module, "whitening", None)
+    return (rows if whitening is None else whitening.to_data(rows)).numpy(), ""
+
+
+class PointDraws:
+    """``module.sample_points`` that keeps the acceptance rate of the Metropolis-adjusted chains it ran."""
+
+    def __init__(self, module: ScoreModule) -> None:
+        self.module, self.accepted, self.drawn = module, 0.0, 0
+
+    def __call__(self, k: int) -> torch.Tensor:
+        points = self.module.sample_points(k)
+        acceptance = getattr(getattr(self.module, "sampler", None), "acceptance", None)
+        if acceptance is not None:
+            self.accepted, self.drawn = self.accepted + acceptance * k, self.drawn + k
+        return points
+
+    def summary(self) -> str:
+        return f"; Metropolis acceptance {self.accepted / self.drawn:.3f}" if self.drawn else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = check_device(args.device)
@@ -191,20 +280,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.fid and args.num_samples < 2:
         usage_error(f"--fid needs --num-samples >= 2 (a covariance), got {args.num_samples}")
     module = load(args.checkpoint, device, args.raw_weights)
-    if args.final_denoise is not None:
-        if not hasattr(getattr(module, "sampler", None), "final_denoise"):
-            usage_error(f"--final-denoise: the {module.family!r} model has no Langevin sampler")
-        module.sampler.final_denoise = args.final_denoise == "on"
+    set_sampler_options(module, args)
+    points = module.image_codec is None
+    if points and args.fid:
+        usage_error(f"--fid: the {module.family!r} model was not trained on images; FID compares images")
     fid = FIDJob.prepare(args, module, device) if args.fid else None  # reference first: a failure draws nothing
+    if points:
+        draw: Any = PointDraws(module)
+        held_out, note = held_out_points(module, args.data_dir)
+        plotted: list[str] = []
+        picture = lambda samples, path: plotted.append(  # noqa: E731
+            save_point_plot(samples, path, held_out, getattr(module.whitening, "columns", ())))
+    else:
+        draw, picture = module.sample_images if fid is None else fid.observing(module.sample_images), None
     try:
-        check_batch_memory(module.sample_images, args.batch_size, args.num_samples, device)
-    except ConfigError as err:  # e.g. a model not trained on images
+        # the probe draws with the module itself: what it draws is no sample (no FID features, no acceptance)
+        check_batch_memory(module.sample_points if points else module.sample_images, args.batch_size,
+                           args.num_samples, device)
+    except ConfigError as err:  # e.g. a model that cannot draw
         usage_error(f"--checkpoint: {one_line(err)}")
     torch.manual_seed(args.seed)
-    draw = module.sample_images if fid is None else fid.observing(module.sample_images)
     try:
-        files = stream_samples(draw, args.num_samples, args.out, batch_size=args.batch_size)
-    except ConfigError as err:  # e.g. a model not trained on images: raised by the first draw, nothing written
+        files = stream_samples(draw, args.num_samples, args.out, batch_size=args.batch_size, picture=picture,
+                               picture_size=PLOT_POINTS)
+    except (ConfigError, NotImplementedError) as err:  # a model that cannot draw: raised at once, nothing written
         usage_error(f"--checkpoint: {one_line(err)}")
     except (MemoryError, RuntimeError) as err:
         if not _out_of_memory(err):
@@ -216,8 +315,13 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:  # the disk filled up or the directory went away while writing
         print_error(f"writing samples to {args.out} failed (partial files removed): {err}")
         return 1
-    print(f"wrote {files.shape[0]} samples {list(files.shape[1:])} of the {module.family!r} model to {files.array} "
-          f"and a grid of the first {min(files.shape[0], GRID_SIZE)} to {files.grid}")
+    if points:
+        units = " in the data's units" if module.whitening is not None else ""
+        print(f"wrote {files.shape[0]} samples {list(files.shape[1:])} of the {module.family!r} model{units} to "
+              f"{files.array}{draw.summary()}, and {plotted[0]} to {files.grid}" + (f" ({note})" if note else ""))
+    else:
+        print(f"wrote {files.shape[0]} samples {list(files.shape[1:])} of the {module.family!r} model to "
+              f"{files.array} and a grid of the first {min(files.shape[0], GRID_SIZE)} to {files.grid}")
     cost = getattr(module, "sampling_report", None)  # a family's sampler cost (EDM: evaluations, DEQ iterations)
     if cost is not None and cost():
         print(cost())

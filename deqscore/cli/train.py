@@ -9,8 +9,10 @@ grids and learning curves. Resuming needs only that directory::
 
 from __future__ import annotations
 
+import gc
 import importlib
 import importlib.util
+import inspect
 import math
 import os
 import re
@@ -19,13 +21,15 @@ import sys
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from jsonargparse import Namespace
+from pytorch_lightning import Trainer
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.utilities import rank_zero_info
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 from ..configfiles import ConfigFileError, composed_command_line
 from ..data.errors import CorruptDataError, DataNotFoundError
@@ -43,71 +47,21 @@ from ..lightning.runs import (
     checkpoint_log_step,
     checkpoint_run_dir,
     holds_a_run,
+    move_aside,
     prepare_fresh_run,
+    resume_checkpoint,
     run_id,
     truncate_log_after,
 )
 from .checkpoints import check_checkpoint, checkpoint_conflicts, place_in_checkpoint_run
 from .errors import UsageError, print_error, usage_error
+from .parser_errors import DeqscoreArgumentParser
 from .ranks import LostRankError, is_lost_peer, leave_process_group, lost_rank_message
+from .signals import StopSignals
+from .trainer_options import check_trainer_options
 
-OPTIMIZER_HINT = "any torch.optim optimizer by class name or class_path, e.g. Adam, AdamW, SGD, RMSprop"
 USAGE_ERRORS = (ConfigError, DataNotFoundError, CorruptDataError)  # a user's mistake: one line, no traceback
 PROCESS_GROUP_TIMEOUT_S = 1800.0  # Lightning's and torch's default for gloo: a slow rank is not a lost one
-LR_SCHEDULER_HINT = "any torch.optim.lr_scheduler class by name or class_path, e.g. StepLR, CosineAnnealingLR"
-
-
-def condense_parser_error(message: str) -> str:
-    """Reduce jsonargparse's nested report to ``key: what is wrong`` plus the accepted values.
-
-    jsonargparse reports a bad value deep inside a ``class_path`` config as a tree of every type it tried; the
-    key path, the innermost complaint, the given value and the accepted choices are what a user needs.
-    """
-    keys = re.findall(r'Parser key "([^"]+)"', message)
-    givens = re.findall(r"Given value: (.+)", message)
-    if not keys:
-        return message
-    outer = re.search(r"NestedArg\(key='([^']+)', val='([^']*)'\)", givens[-1]) if givens else None
-    subclass = "Problem with given class_path" in message
-    key = f"{keys[0]}{'.init_args' if subclass else ''}.{outer.group(1)}" if outer else ".".join(keys)
-    inner = re.search(r"NestedArg\(key='([^']+)', val='([^']*)'\)", givens[0]) if givens else None
-    if inner and inner is not outer and "Expected a dot import path string" in message:
-        parent = key[: -len(inner.group(1)) - 1]  # an option of an object the config names by a short name
-        return (f"{parent}: cannot set {inner.group(1)}={inner.group(2)!r} on a short name; give {parent} as a "
-                f"class_path first (e.g. --{parent} SomeClass --{parent}.{inner.group(1)} VALUE)")
-    ignored = ("Expected a <class 'NoneType'>", "Expected a dot import path string", "Expected a path but")
-    lines = [ln.strip().lstrip("- ") for ln in message.splitlines()]
-    leaves = [ln for ln in lines if re.match(r"(Expected a|Option '|.*Got value)", ln) and not ln.startswith(ignored)]
-    literals = [m for ln in leaves if (m := re.match(r"Expected a typing\.Literal\[(.+)\]", ln))]
-    # the literal that saw the value is the innermost complaint; the others are the alternatives tried above it
-    literal = next((m for m in literals if "Got value" in m.string), literals[0] if literals else None)
-    if literal:
-        got = re.search(r"Got value: (.+?)(?:\. Got value:|$)", literal.string)
-        value = got.group(1) if got else (outer.group(2) if outer else givens[0] if givens else "?")
-        subtypes = re.search(r"Subtypes: \[(typing\.Literal.+)\]", message)
-        classes = [c.rsplit(".", 1)[-1] for c in re.findall(r"<class '([\w.]+)'>", subtypes.group(1) if subtypes
-                   and literal.group(1).split("]")[0] in subtypes.group(1) else "")
-                   if not c.endswith(("NoneType", "ScoreModule", "LightningDataModule"))]
-        accepted = literal.group(1).split("]. Got")[0]
-        accepted += f", or a class_path of a {' / '.join(classes)} subclass" if classes else ""
-        return f"{key}: {value!r} is not accepted\n  accepted: {accepted}"
-    if leaves:
-        return f"{key}: {leaves[0]}"
-    return f"{key}: {givens[0]!r} is not accepted" if givens else message
-
-
-class DeqscoreArgumentParser(LightningArgumentParser):
-    """Reports a bad value as one message naming the key and the accepted values, without the usage text."""
-
-    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
-        if not self.exit_on_error:  # inner parsers: let the outer one report
-            return super().error(message, ex)
-        message = condense_parser_error(message)
-        if message.split(":")[0] == "optimizer":
-            message += f"\n  accepted: {OPTIMIZER_HINT}"
-        if message.split(":")[0] == "lr_scheduler":
-            message += f"\n  accepted: {LR_SCHEDULER_HINT}"
-        usage_error(message + "\n(see --help for every option)")
 
 
 def _logger_config(runs_root: str, run_name: str) -> list[Namespace]:
@@ -176,7 +130,8 @@ def compose_config_files(argv: list[str]) -> list[str]:
 class DeqscoreCLI(LightningCLI):
     """LightningCLI with a run name/directory and gradients enabled in evaluation."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, stop_signals: StopSignals | None = None, **kwargs):
+        self._stop_signals = stop_signals  # the command's signal handler outside training (run() gives it)
         given = kwargs.get("args")
         self._argv = compose_config_files(list(given if given is not None else sys.argv[1:]))
         kwargs["args"] = self._argv  # the command line with composed configs in place of their files
@@ -200,6 +155,16 @@ class DeqscoreCLI(LightningCLI):
                 raise  # unexpected: keeps its traceback
             option = self._option_named_by(str(known))
             usage_error(f"{option}: {known}" if option else str(known))
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except (MisconfigurationException, ValueError, TypeError) as err:
+            # the constructor's own checks of its options (check_trainer_options covers the ranges; this, the rest:
+            # a GPU asked for where there is none, options that exclude each other); any other error is a bug
+            if not _is_trainer_option_error(err):
+                raise
+            usage_error(f"trainer: {str(err).strip()}")
 
     def _subcommand_config(self) -> Namespace:
         """The parsed options of the subcommand being run (the whole config when there is none)."""
@@ -264,8 +229,8 @@ class DeqscoreCLI(LightningCLI):
                 raise
             cfg = self.config[subcommand]
             launcher_lost = launch_rank() != 0 and os.getppid() != self._launcher_pid
-            last = Path(cfg.runs_root) / cfg.run_name / "checkpoints" / "last.ckpt"
-            message = lost_rank_message(err, strategy, launcher_lost, cfg.process_group_timeout, str(last))
+            resume = resume_checkpoint(Path(cfg.runs_root) / cfg.run_name)
+            message = lost_rank_message(err, strategy, launcher_lost, cfg.process_group_timeout, resume)
             raise LostRankError(message or "") from err
 
     def _run_in_run_dir(self, subcommand: str) -> None:
@@ -273,7 +238,10 @@ class DeqscoreCLI(LightningCLI):
         run_dir = Path(cfg.runs_root) / cfg.run_name
         self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         if subcommand == "fit":  # on every rank: the ranks agree at each batch's end whether to stop
-            self.trainer.callbacks += [SaveOnInterrupt(), RunIdentity(run_dir)]
+            saver = SaveOnInterrupt()
+            self.trainer.callbacks += [saver, RunIdentity(run_dir)]
+            if self._stop_signals is not None:
+                self._stop_signals.saver = saver
         if launch_rank() != 0:  # DDP workers, on this node or another: global rank zero holds the directory
             return super()._run_subcommand(subcommand)
         check_writable_run_dir(run_dir)  # before anything is written: one message naming the path
@@ -291,9 +259,33 @@ class DeqscoreCLI(LightningCLI):
             elif subcommand == "fit":
                 self.datamodule.prepare_data()  # missing data fails here, before anything on disk is touched
                 self._start_fresh(run_dir, cfg)
+            fresh = subcommand == "fit" and not cfg.get("ckpt_path") and not run_dir.exists()
             if subcommand == "fit":
                 run_id(run_dir, create=True)  # a run older than run identities gets one now
-            super()._run_subcommand(subcommand)
+            try:
+                super()._run_subcommand(subcommand)
+            except BaseException as err:
+                if fresh and not self._wrote_checkpoint(run_dir):
+                    self._clear_failed_launch(run_dir)
+                if _is_trainer_option_error(err):  # one that needs the data: val_check_interval > batches an epoch
+                    usage_error(f"trainer: {str(err).strip()}")
+                raise
+
+    def _wrote_checkpoint(self, run_dir: Path) -> bool:
+        """Whether this fit saved a checkpoint: in its run directory, or where a checkpoint callback's own dirpath
+        put it."""
+        return resume_checkpoint(run_dir) is not None or any(
+            getattr(c, "last_model_path", "") or getattr(c, "best_model_path", "") for c in self.trainer.callbacks
+            if isinstance(c, ModelCheckpoint))
+
+    @staticmethod
+    def _clear_failed_launch(run_dir: Path) -> None:
+        """A fresh run that stopped before its first checkpoint holds nothing to resume: the directory it created
+        is moved aside (named, nothing deleted), so that launching it again is not refused as a run in the way."""
+        if run_dir.exists():
+            moved = move_aside(run_dir, "failed-")
+            sys.stderr.write(f"{run_dir} held no checkpoint (the launch stopped before its first): moved to {moved}, "
+                             "so the run can be launched again as it was\n")
 
     @staticmethod
     def _start_fresh(run_dir: Path, cfg: Namespace) -> None:
@@ -350,9 +342,23 @@ class DeqscoreCLI(LightningCLI):
         cfg.trainer.default_root_dir = str(Path(cfg.runs_root) / cfg.run_name)
         if cfg.trainer.inference_mode:
             usage_error("trainer.inference_mode must be false: score matching needs input gradients")
+        try:
+            check_trainer_options(cfg.trainer.as_dict())
+        except ConfigError as err:
+            usage_error(str(err))
         lr = ((cfg.get("optimizer") or {}).get("init_args") or {}).get("lr")
         if lr is not None and not (isinstance(lr, int | float) and math.isfinite(lr) and lr > 0):
             usage_error(f"optimizer.init_args.lr must be a positive finite number, got {lr!r}")
+
+
+def _is_trainer_option_error(err: BaseException) -> bool:
+    """``err`` is Lightning's refusal of a trainer option: its configuration error, or a ValueError or TypeError
+    naming a ``Trainer`` argument as Lightning's messages do (`` `val_check_interval` (1000) must be ...``)."""
+    if isinstance(err, MisconfigurationException):
+        return True
+    names = inspect.signature(Trainer.__init__).parameters
+    return type(err) in (ValueError, TypeError) and any(f"`{n}`" in str(err) or f"`Trainer({n}=" in str(err)
+                                                        for n in names)
 
 
 def _data_dim(datamodule: Any) -> int:
@@ -372,43 +378,63 @@ def _chain(err: BaseException) -> list[BaseException]:
     return seen
 
 
-def main(args: list[str] | None = None) -> DeqscoreCLI:
+def main(args: list[str] | None = None, stop_signals: StopSignals | None = None) -> DeqscoreCLI:
     """Entry point of ``train.py``."""
     family_registry()  # every family imported: a short class name (--model NICEModule) finds its class
-    return DeqscoreCLI(args=args)
+    return DeqscoreCLI(args=args, stop_signals=stop_signals)
 
 
 def run(args: list[str] | None = None) -> int:
     """``train.py``: :func:`main`, with usage mistakes reported as one message and exit status 2. A run whose ranks
     stopped together (finished, preempted, or stopped at a non-finite loss) leaves its process group on every rank
-    before exiting, so that none can abort in the interpreter's exit (:func:`leave_process_group`)."""
-    try:
-        main(args)
-        leave_process_group()
-    except UsageError as err:
-        return err.code
-    except Preempted as err:  # the state is saved (SaveOnInterrupt said where)
-        name = signal.Signals(err.signum).name
-        how = "interrupted by Ctrl-C" if err.signum == signal.SIGINT else f"preempted by {name}"
-        print_error(f"{how}: the run's state is in its checkpoints/interrupted.ckpt; resume with --ckpt_path "
-                    "<run>/checkpoints/interrupted.ckpt")
-        leave_process_group()
-        return err.code
-    except USAGE_ERRORS as err:  # found after parsing: no optimizer, no data
-        print_error(str(err))
-        return 2
-    except LostRankError as err:  # said by the process that can tell (the first of its node); the others quiet
-        if str(err):
+    before exiting, so that none can abort in the interpreter's exit (:func:`leave_process_group`). A stop or a
+    failure of every rank is told once, by the first process; SIGTERM, SIGUSR1 and Ctrl-C are held for the whole
+    command (:class:`~deqscore.cli.signals.StopSignals`): after a finished fit the status stays 0."""
+    with StopSignals() as stops:
+        try:
+            main(args, stops)
+            leave_process_group()
+        except UsageError as err:
+            return err.code
+        except Preempted as err:
+            if launch_rank() == 0:
+                print_error(_stop_text(err))
+            leave_process_group()
+            return err.code
+        except USAGE_ERRORS as err:  # found after parsing: no optimizer, no data
             print_error(str(err))
-        return 1
-    except NonFiniteLossError as err:  # every rank stopped at the same step; the line once, from the first
-        if launch_rank() == 0:
-            print_error(str(err))
-        leave_process_group()
-        return 1
+            return 2
+        except LostRankError as err:  # said by the process that can tell (the first of its node); the others quiet
+            if str(err):
+                print_error(str(err))
+            return 1
+        except NonFiniteLossError as err:  # every rank stopped at the same step; the line once, from the first
+            if launch_rank() == 0:
+                print_error(str(err))
+            leave_process_group()
+            return 1
+        if stops.after_training is not None and launch_rank() == 0:
+            sys.stderr.write(f"{signal.Signals(stops.after_training).name} came after training finished: the run is "
+                             "complete (exit status 0), nothing to resume\n")
     return 0
+
+
+def _stop_text(err: Preempted) -> str:
+    how = "interrupted by Ctrl-C" if err.signum == signal.SIGINT else f"preempted by {signal.Signals(err.signum).name}"
+    if not err.saved:
+        return f"{how} before training started: nothing to save; launch it again as it was"
+    if err.at_once:
+        return (f"{how} twice: the state where it landed is in checkpoints/interrupted.ckpt (a resume from it is one "
+                "step off); resume with --ckpt_path <run>/checkpoints/interrupted.ckpt")
+    return (f"{how}: the run's state is in its checkpoints/interrupted.ckpt; resume with --ckpt_path "
+            "<run>/checkpoints/interrupted.ckpt")
 
 
 def console() -> None:
     """The ``deqscore-train`` command (what ``python train.py`` does, for an installed package)."""
-    sys.exit(run())
+    code = run()
+    # The interpreter's exit collects every object once more while it takes its modules apart (~400,000 here):
+    # seconds on a loaded 2-core machine, beyond a scheduler's grace after SIGTERM. Frozen, they are left to the
+    # process's end; every file of the run is closed and every logger finished by now.
+    gc.freeze()
+    sys.exit(code)

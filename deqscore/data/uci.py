@@ -49,6 +49,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from deqscore.data.datasets import epoch_loader
 from deqscore.data.errors import CorruptDataError, DataNotFoundError
+from deqscore.data.points import Whitening, fit_whitening
 from deqscore.data.uci_files import UCI_FILES, UCIFile, download_file, read_uci_table
 from deqscore.errors import ConfigError, check_count, choice_error
 
@@ -57,6 +58,7 @@ __all__ = [
     "UCI_FILES",
     "UCIDataModule",
     "UCIFile",
+    "Whitening",
     "dequantize_columns",
     "download_file",
     "fit_whitening",
@@ -75,6 +77,7 @@ CORRELATION_THRESHOLD = 0.98
 ORIGINAL_PARKINSONS_DIM = {"reference": 15, "greedy": 14}
 MAX_HELD_OUT = 1000  # at most this many test (and val) rows
 HIGHDIM_SPLITS = (4860, 540, 600)  # train, val, test rows of the synthetic Gaussian
+HIGHDIM_DIM = 200  # dimension of the synthetic Gaussian unless ``dim`` says otherwise
 
 
 def prune_correlated(
@@ -125,16 +128,6 @@ def split_sizes(n: int) -> tuple[int, int, int]:
     return n - val - test, val, test
 
 
-def fit_whitening(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(mean [D], matrix [D, D])`` such that ``(data - mean) @ matrix`` has mean 0 and covariance I
-    (normalised by N): PCA rotation and scaling, ``matrix = V / s * sqrt(N)`` from ``data - mean = U S V^T``."""
-    mean = data.mean(axis=0)
-    _, s, vt = np.linalg.svd(data - mean, full_matrices=False)
-    if s.size < data.shape[1] or s[-1] <= s[0] * 1e-10:
-        raise ValueError(f"cannot whiten: the {data.shape[0]} x {data.shape[1]} data have a singular covariance")
-    return mean, vt.T / s * math.sqrt(data.shape[0])
-
-
 # -- the DataModule ----------------------------------------------------------------------------------------
 
 
@@ -144,12 +137,14 @@ class UCIDataModule(pl.LightningDataModule):
 
     After :meth:`setup`: ``train_data``, ``val_data``, ``test_data`` (float32 ``[n, dim]``); for real data also
     ``source_columns`` (the file's columns that were whitened), ``split_rows`` (file row of every item, per
-    split), ``whiten_mean`` and ``whiten_matrix`` (float64; ``x = (row - whiten_mean) @ whiten_matrix + noise``).
+    split), ``whitening`` (a :class:`~deqscore.data.points.Whitening`: ``x = (row - mean) @ matrix + noise``, and
+    back to the file's units), ``whiten_mean`` and ``whiten_matrix`` (its float64 arrays).
 
     Args:
         dataset: ``"redwine"``, ``"whitewine"``, ``"parkinsons"`` or ``"highdim"`` (synthetic N(0, I)).
         root: folder of the UCI files (and of downloads).
-        dim: dimension of ``"highdim"`` (ignored by the real data sets).
+        dim: dimension of ``"highdim"`` (default 200); the real data sets' dimension is that of their file, and
+            stating one for them is refused.
         batch_size: training batch size.
         eval_batch_size: val/test batch size (default ``batch_size``).
         seed: seed of the row shuffle, dequantisation, noise, synthetic data and training order.
@@ -168,7 +163,7 @@ class UCIDataModule(pl.LightningDataModule):
         self,
         dataset: Literal["redwine", "whitewine", "parkinsons", "highdim"] = "redwine",
         root: str = "datasets/uci",
-        dim: int = 200,
+        dim: int | None = None,
         batch_size: int = 200,
         eval_batch_size: int | None = None,
         seed: int = 2019,
@@ -182,7 +177,7 @@ class UCIDataModule(pl.LightningDataModule):
         # No save_hyperparameters(), as ImageDataModule: LightningCLI records the config.
         self.dataset = dataset  # which data set
         self.root = root  # folder of the UCI files
-        self.synthetic_dim = dim  # dimension of "highdim"
+        self.synthetic_dim = HIGHDIM_DIM if dim is None else dim  # dimension of "highdim"
         self.batch_size = batch_size  # training batch size
         self.eval_batch_size = eval_batch_size if eval_batch_size is not None else batch_size  # val/test
         self.seed = seed  # all randomness of the data
@@ -195,8 +190,7 @@ class UCIDataModule(pl.LightningDataModule):
         self.test_data: torch.Tensor | None = None
         self.source_columns: list[str] | None = None
         self.split_rows: dict[str, np.ndarray] | None = None
-        self.whiten_mean: np.ndarray | None = None
-        self.whiten_matrix: np.ndarray | None = None
+        self.whitening: Whitening | None = None
         self._features: tuple[list[str], np.ndarray] | None = None  # (column names, values) read from the file
         self._assumed_dim: int | None = None  # ``dim`` stated before the file was there (original UCI file)
 
@@ -290,8 +284,8 @@ class UCIDataModule(pl.LightningDataModule):
             data = dequantize_columns(data, rng)
         n_train, n_val, _ = split_sizes(len(data))
         fit_rows = data[:n_train] if self.whiten_on == "train" else data
-        self.whiten_mean, self.whiten_matrix = fit_whitening(fit_rows)
-        data = (data - self.whiten_mean) @ self.whiten_matrix
+        self.whitening = Whitening.fit(fit_rows, names)
+        data = self.whitening.to_model(data)
         data = data + rng.standard_normal(data.shape) * self.noise_std
         bounds = [n_train, n_train + n_val]
         self.source_columns = list(names)
@@ -299,13 +293,27 @@ class UCIDataModule(pl.LightningDataModule):
         return np.split(data, bounds)
 
     @property
+    def whiten_mean(self) -> np.ndarray | None:
+        return None if self.whitening is None else self.whitening.mean
+
+    @property
+    def whiten_matrix(self) -> np.ndarray | None:
+        return None if self.whitening is None else self.whitening.matrix
+
+    @property
     def log_det_whitening(self) -> float:
         """``log |det W|`` of the whitening ``x = (row - mean) @ W`` (0 for synthetic data): a log-density of the
         whitened data plus this is the log-density of the rows in the data's own units (after pruning and
         dequantisation; the small noise added after whitening is not undone)."""
-        if self.whiten_matrix is None:
-            return 0.0
-        return float(np.linalg.slogdet(self.whiten_matrix)[1])
+        return 0.0 if self.whitening is None else self.whitening.log_det
+
+    @property
+    def source_options(self) -> dict[str, object]:
+        """The options that rebuild the same splits (a checkpoint keeps them: ``sample.py`` plots samples against
+        the held-out rows)."""
+        options = {"dataset": self.dataset, "root": str(self.root), "seed": self.seed, "whiten_on": self.whiten_on,
+                   "noise_std": self.noise_std, "prune_rule": self.prune_rule}
+        return options | ({"dim": self.synthetic_dim} if self.is_synthetic else {})
 
     def train_subset(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """``n`` distinct random training rows ``[n, dim]`` drawn with ``generator`` (e.g. to refresh a model's
@@ -370,7 +378,7 @@ class UCIDataModule(pl.LightningDataModule):
 
 def _check_options(
     dataset: str,
-    dim: int,
+    dim: int | None,
     batch_size: int,
     eval_batch_size: int | None,
     whiten_on: str,
@@ -384,7 +392,12 @@ def _check_options(
         raise choice_error("whiten_on", whiten_on, ("all", "train"))
     if prune_rule not in PRUNE_RULES:
         raise choice_error("prune_rule", prune_rule, PRUNE_RULES)
-    check_count("dim", dim)
+    if dim is not None:
+        check_count("dim", dim)
+        if dataset != "highdim":
+            raise ConfigError(f"dim: only the synthetic data set 'highdim' takes a dimension; {dataset!r} has that of "
+                              "its file: leave dim unset (a run's config.yaml from before dim was refused here holds "
+                              "dim: 200 under data.init_args: delete that line)")
     check_count("batch_size", batch_size)
     if eval_batch_size is not None:
         check_count("eval_batch_size", eval_batch_size)

@@ -1,13 +1,12 @@
 """DEQ engine: solvers, the DEQ layer and contraction helpers."""
 
+from .backward import deq_backward, exact_gradients, require_backward
 from .layer import (
     BACKWARD_MODES,
     DEQ,
     DEQConvergenceWarning,
     DEQFactory,
     SecondOrderIFTError,
-    deq_backward,
-    require_backward,
 )
 from .norm import FrobeniusScale, SpectralCap, frobenius_scale, spectral_cap, spectral_normalize
 from .solvers import (
@@ -30,6 +29,7 @@ __all__ = [
     "SpectralCap",
     "available_solvers",
     "deq_backward",
+    "exact_gradients",
     "frobenius_scale",
     "get_solver",
     "register_solver",

@@ -12,6 +12,13 @@ records depends on ``backward``:
   ``g = J^T g + grad``: exact for first-order losses. Such a hook records no graph, so a second derivative
   through it would silently be wrong; the hook therefore raises when called with grad mode on
   (``create_graph=True``).
+* ``"implicit"``: derivatives of every order of the exact fixed point (:mod:`.implicit`): the backward solves the
+  adjoint fixed point with the same solver, in differentiable operations, so each further derivative is one more
+  solve. Memory: a few evaluations of the map's graph at the fixed points, independent of the iterations. A map
+  that declares itself linear in ``z`` (``affine_weight()``) is solved directly, by one linear solve.
+  The backward ("adjoint") solves use the forward's solver, ``max_iter``, ``per_sample`` and ``check_every``,
+  with ``tol`` as a relative residual (the scale of a gradient is arbitrary); their statistics are
+  ``adjoint_stats`` (per nesting level) and they warn like the forward solve.
 
 Under autocast (``--trainer.precision bf16-mixed`` / ``16-mixed``) the solve, its residuals, the Anderson and
 Broyden linear algebra and the IFT backward run in float32 with autocast disabled (inputs upcast: a bfloat16
@@ -48,16 +55,17 @@ from typing import Literal
 import torch
 from torch import nn
 
-from ..errors import ConfigError, check_count, check_real, choice_error
-from .solvers import Solver, SolverStats, check_every_count, check_stopping, get_solver, picard
+from ..errors import check_count, check_real, choice_error
+from .implicit import FixedPoint, Level, direct_fixed_point, is_affine, map_value
+from .solvers import Solver, SolverStats, check_every_count, check_stopping, get_solver, picard, residual_stats
 
-BACKWARD_MODES = ("phantom", "unroll", "ift")
+BACKWARD_MODES = ("phantom", "unroll", "ift", "implicit")
 # The highest order of derivative through the layer that each backward mode gives correctly (None: any order).
 # IFT's backward hook records no graph, so a gradient of a gradient through it is silently wrong.
-MAX_DERIVATIVE_ORDER: dict[str, int | None] = {"phantom": None, "unroll": None, "ift": 1}
+MAX_DERIVATIVE_ORDER: dict[str, int | None] = {"phantom": None, "unroll": None, "ift": 1, "implicit": None}
 
 
-def _check_backward(backward: str) -> None:
+def check_backward(backward: str) -> None:
     if backward not in BACKWARD_MODES:
         raise choice_error("DEQ backward", backward, BACKWARD_MODES)
 
@@ -88,7 +96,7 @@ class DEQ(nn.Module):
         tol: stopping tolerance (meaning set by ``stop_mode``/``per_sample``, see :mod:`.solvers`).
         stop_mode: ``"abs"`` or ``"rel"`` residual.
         per_sample: stop on every sample's residual instead of the whole-batch norm.
-        backward: ``"phantom"``, ``"unroll"`` or ``"ift"``.
+        backward: ``"phantom"``, ``"unroll"``, ``"ift"`` or ``"implicit"``.
         phantom_steps: K, differentiable steps after the solve (phantom mode); must be >= 1.
         phantom_damping: lambda in (0, 1] of the phantom steps.
         injection_prestep: before the K steps, apply ``func`` once with only the injection ``u`` carrying
@@ -111,7 +119,7 @@ class DEQ(nn.Module):
         tol: float = 1e-5,
         stop_mode: Literal["abs", "rel"] = "abs",
         per_sample: bool = False,
-        backward: Literal["phantom", "unroll", "ift"] = "phantom",
+        backward: Literal["phantom", "unroll", "ift", "implicit"] = "phantom",
         phantom_steps: int = 2,
         phantom_damping: float = 1.0,
         injection_prestep: bool = False,
@@ -124,7 +132,7 @@ class DEQ(nn.Module):
         super().__init__()
         get_solver(solver)  # fail early on unknown names
         check_stopping(tol, stop_mode)
-        _check_backward(backward)
+        check_backward(backward)
         _check_counts(max_iter, phantom_steps, ift_max_iter)
         check_real("DEQ phantom_damping", phantom_damping, high=1.0)
         check_real("DEQ ift_tol", ift_tol)
@@ -145,6 +153,8 @@ class DEQ(nn.Module):
         self.warn_on_nonconvergence = warn_on_nonconvergence
         self.check_every = check_every
         self.stats: SolverStats | None = None
+        # backward="implicit": the last adjoint solve of each nesting level (1: a first derivative's, 2: ...)
+        self.adjoint_stats: dict[int, SolverStats] = {}
         # check_every != 1: device counters since the last read_deferred() (not in checkpoints, like z_cache):
         # solves that missed their tolerance, IFT backward solves that missed theirs, and solves counted
         self._pending: dict[str, torch.Tensor] = {}
@@ -154,6 +164,7 @@ class DEQ(nn.Module):
         # Plain data, never in checkpoints; every process (DDP rank) keeps its own. Not a buffer: the set of a
         # module's buffers must not change when a forward fills the cache (weight averaging pairs buffers by order).
         self.z_cache: torch.Tensor | None = None
+        self.adjoint_cache: dict[int, torch.Tensor] = {}  # warm starts of the adjoint solves, per level
 
     def extra_repr(self) -> str:
         return (
@@ -178,11 +189,14 @@ class DEQ(nn.Module):
         # start would cut it to a few steps (a few Neumann terms), so unrolls start cold and keep no cache.
         return self.warm_start and self.backward != "unroll"
 
-    def _run_solver(self, solver: Solver, u: torch.Tensor, z_init: torch.Tensor) -> torch.Tensor:
+    def _run_solver(self, solver: Solver, u: torch.Tensor | Callable[[torch.Tensor], torch.Tensor],
+                    z_init: torch.Tensor) -> torch.Tensor:
+        """The forward solve of ``z = func(z, u)`` (or of ``z = u(z)`` for a map ``u`` given whole)."""
         # registered solvers of users need not know check_every: it is passed only when it is not the default
         extra = {} if self.check_every == 1 else {"check_every": self.check_every}
+        step = u if callable(u) else lambda z: self.func(z, u)
         z, stats = solver(
-            lambda z: self.func(z, u), z_init, tol=self.tol, max_iter=self.max_iter, stop_mode=self.stop_mode,
+            step, z_init, tol=self.tol, max_iter=self.max_iter, stop_mode=self.stop_mode,
             per_sample=self.per_sample, **extra,
         )
         self._record(stats)
@@ -232,15 +246,26 @@ class DEQ(nn.Module):
                 stacklevel=3,
             )
 
-    def _record(self, stats: SolverStats) -> None:
-        self.stats = stats
+    def _record(self, stats: SolverStats, level: int = 0, device: torch.device | None = None) -> None:
+        """Keep a solve's statistics and warn if it missed its tolerance (``level`` > 0: an adjoint solve of
+        ``backward="implicit"``, counted with the backward solves)."""
+        if level:
+            self.adjoint_stats[level] = stats
+            failed = ~stats.converged if stats.deferred else torch.tensor(not stats.converged, device=device)
+            self._count_ift(failed)
+        else:
+            self.stats = stats
         if stats.deferred:  # counted on the device, warned when read (at most once per read)
+            if level:
+                self._count("backward_failures", ~stats.converged)
+                return
             self._count("solves", torch.ones((), device=stats.converged.device))
             self._count("unconverged", ~stats.converged)
             return
         if not stats.converged and self.warn_on_nonconvergence:
+            what = f"adjoint solve (level {level}) of solver" if level else "solver"
             warnings.warn(
-                f"DEQ solver {stats.solver!r} did not converge in {stats.nstep} iterations: "
+                f"DEQ {what} {stats.solver!r} did not converge in {stats.nstep} iterations: "
                 f"abs residual {stats.abs_residual:.3e}, rel residual {stats.rel_residual:.3e}, "
                 f"tol {stats.tol:.1e} ({stats.stop_mode}, {'per sample' if stats.per_sample else 'batch'})",
                 DEQConvergenceWarning,
@@ -252,6 +277,8 @@ class DEQ(nn.Module):
         if self.backward == "unroll":  # every Picard iteration recorded by autograd
             with _float32_solve(u) as cast:
                 z = self._run_solver(picard, cast(u), cast(z_init))
+        elif self.backward == "implicit":
+            z = self._implicit(u, z_init)
         else:
             with torch.no_grad(), _float32_solve(u) as cast:
                 z_star = self._run_solver(get_solver(self.solver), cast(u.detach()), cast(z_init))
@@ -259,6 +286,43 @@ class DEQ(nn.Module):
         if self._warm:
             self.z_cache = z.detach().clone()
         return z
+
+    @property
+    def direct(self) -> bool:
+        """True when ``backward="implicit"`` solves this layer's map directly (a map linear in ``z``)."""
+        return self.backward == "implicit" and is_affine(self.func)
+
+    def _implicit(self, u: torch.Tensor, z_init: torch.Tensor) -> torch.Tensor:
+        with _float32_solve(u) as cast:
+            u = cast(u)
+            if self.direct and u.dim() == 2:
+                z = direct_fixed_point(self.func, u)
+                with torch.no_grad():
+                    self._record(residual_stats("direct", z, self.func(z, u), tol=self.tol, stop_mode=self.stop_mode,
+                                                per_sample=self.per_sample, check_every=self.check_every))
+                return z
+            # the map's trainable tensors are explicit inputs of the Function (its partials are taken in them)
+            named = [(n, p) for n, p in self.func.named_parameters() if p.requires_grad]
+            level = Level(self, map_value(self.func, [n for n, _ in named]))
+            return FixedPoint.apply(level, cast(z_init), u, *(p for _, p in named))
+
+    def solve_level(self, level: int, step: Callable[[torch.Tensor], torch.Tensor], like: torch.Tensor,
+                    start: torch.Tensor | None) -> torch.Tensor:
+        """Solve ``z = step(z)`` for level ``level`` of ``backward="implicit"`` (0: the forward, from ``start``;
+        above: the adjoint solves, warm-started from the last of their level when ``warm_start`` is set)."""
+        solver = get_solver(self.solver)
+        if level == 0:
+            return self._run_solver(solver, step, start if start is not None else torch.zeros_like(like))
+        cache = self.adjoint_cache.get(level)
+        warm = self.warm_start and cache is not None and cache.shape == like.shape and cache.device == like.device
+        w0 = cache.to(like.dtype) if warm else torch.zeros_like(like)
+        extra = {} if self.check_every == 1 else {"check_every": self.check_every}
+        w, stats = solver(step, w0, tol=self.tol, max_iter=self.max_iter, stop_mode="rel",
+                          per_sample=self.per_sample, **extra)
+        self._record(stats, level, like.device)
+        if self.warm_start:
+            self.adjoint_cache[level] = w.detach().clone()
+        return w
 
     def _phantom(self, z_star: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         z = z_star.detach()
@@ -285,7 +349,8 @@ class DEQ(nn.Module):
                 raise SecondOrderIFTError(
                     "DEQ backward='ift' cannot be differentiated twice: a score-matching loss (exact SM, "
                     "SSM, SSM-VR, DSM on an energy) takes create_graph=True derivatives through the layer "
-                    "and would get silently wrong parameter gradients. Use backward='phantom' (or 'unroll')."
+                    "and would get silently wrong parameter gradients. Use backward='implicit' (exact), 'phantom' "
+                    "or 'unroll'."
                 )
             # Solve g = J^T g + grad, J = d func / d z at the fixed point, by fixed-point iteration.
             g = grad
@@ -346,53 +411,3 @@ def _float32_solve(u: torch.Tensor) -> Iterator[Callable[[torch.Tensor], torch.T
 
 
 DEQFactory = Callable[[nn.Module], DEQ]  # DEQ options bound (a config's ``deq:``), the fixed-point map still to come
-
-
-def require_backward(module: nn.Module, order: int, user: str) -> None:
-    """Raise :class:`~deqscore.errors.ConfigError` if a DEQ layer inside ``module`` uses a backward mode that
-    cannot give derivatives of ``order`` through it (1: a parameter gradient; 2: a parameter gradient of an input
-    derivative, as every score-matching loss of an energy takes). ``user`` names what asks (a loss, a model).
-
-    This is the one place that decides which backward modes a model may use; a wrong choice would otherwise give
-    silently wrong gradients.
-
-    >>> from torch import nn
-    >>> class Map(nn.Module):
-    ...     def forward(self, z, u):
-    ...         return 0.5 * z + u
-    >>> require_backward(DEQ(Map(), backward="ift"), order=1, user="loss 'dsm'")  # first order: fine
-    >>> require_backward(DEQ(Map(), backward="ift"), order=2, user="loss 'ssm'")  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    deqscore.errors.ConfigError: DEQ backward='ift' cannot be used with loss 'ssm': ... 'phantom', 'unroll'
-    """
-    for layer in module.modules():
-        if not isinstance(layer, DEQ):
-            continue
-        limit = MAX_DERIVATIVE_ORDER[layer.backward]
-        if limit is not None and order > limit:
-            accepted = ", ".join(repr(m) for m, cap in MAX_DERIVATIVE_ORDER.items() if cap is None or cap >= order)
-            raise ConfigError(
-                f"DEQ backward={layer.backward!r} cannot be used with {user}: it differentiates through the DEQ "
-                f"{order} times, {layer.backward!r} gives correct derivatives of order {limit} only "
-                f"(docs/method.md section 2.5); accepted backward: {accepted}"
-            )
-
-
-@contextmanager
-def deq_backward(module: nn.Module, backward: str) -> Iterator[None]:
-    """Temporarily set the backward mode of every DEQ layer inside ``module``.
-
-    Used to evaluate a second-order metric (e.g. exact SM) of a model trained with ``backward="ift"``:
-    ``"unroll"`` gives the exact derivatives of the converged layer.
-    """
-    _check_backward(backward)
-    layers = [m for m in module.modules() if isinstance(m, DEQ)]
-    saved = [m.backward for m in layers]
-    for m in layers:
-        m.backward = backward
-    try:
-        yield
-    finally:
-        for m, mode in zip(layers, saved, strict=True):
-            m.backward = mode

@@ -179,6 +179,15 @@ class _Monitor:
         )
 
 
+def residual_stats(name: str, z: Tensor, fz: Tensor, *, tol: float, stop_mode: str = "abs", per_sample: bool = False,
+                   check_every: int = 1) -> SolverStats:
+    """The statistics of a solution ``z`` found without iterating (a direct solve): one evaluation ``fz = f(z)``,
+    its residual judged by the solvers' stopping rule."""
+    mon = _Monitor(name, tol, stop_mode, per_sample, check_every)
+    converged = mon.update(z.reshape(z.shape[0], -1), fz.reshape(z.shape[0], -1))
+    return mon.stats(converged)
+
+
 def _flat(f: FixedPointMap, shape: torch.Size) -> Callable[[Tensor], Tensor]:
     return lambda z: f(z.view(shape)).reshape(shape[0], -1)
 

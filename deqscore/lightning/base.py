@@ -1,12 +1,13 @@
 """Shared LightningModule for every model family: the family contract.
 
-A family subclass sets ``family``, takes its plain ``nn.Module`` network from the config (``model.init_args.net``,
-declared with its own options in ``deqscore/models/``) and implements
+A family subclass, named by its declaration (:mod:`deqscore.families`), takes its plain ``nn.Module`` network
+from the config (``model.init_args.net``, declared with its own options in ``deqscore/models/``) and implements
 
 * :meth:`ScoreModule.compute_loss`: the per-sample training loss ``[B]``, or a dict of named per-sample terms
   whose ``"loss"`` entry is the objective (every term is logged);
 * :meth:`ScoreModule.sample`: ``n`` samples in model space (``sample_images`` maps them to images through the
-  data module's transform, remembered in checkpoints);
+  data module's transform, ``sample_points`` points to the data's units through its whitening, both remembered in
+  checkpoints);
 
 and, where it needs them,
 
@@ -39,10 +40,8 @@ undone by ``enable_grad``), which the CLI sets.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
-import pkgutil
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
@@ -50,10 +49,12 @@ from typing import Any, ClassVar
 import pytorch_lightning as pl
 import torch
 
+from ..data.points import Whitening
 from ..data.protocol import ImageData
 from ..data.transforms import ImageCodec
 from ..deq import DEQ
 from ..errors import ConfigError
+from ..families import declarations
 from ..finite import DeferredChecks, deferred_checks
 from ..losses import Loss
 from .nonfinite import NonFiniteStops
@@ -61,26 +62,29 @@ from .run_hooks import ClosingStage, ResumeFixes, RunFacts, StepSeeding, batch_i
 
 FAMILY_KEY = "deqscore_family"
 CODEC_KEY = "deqscore_image_codec"
+WHITENING_KEY = "deqscore_whitening"
 DATA_KEY = "deqscore_data"
-
-_FAMILIES: dict[str, type[ScoreModule]] = {}
-
 
 class CheckpointFamilyError(ValueError):
     """A checkpoint of one model family was loaded into another."""
 
 
 def family_registry() -> dict[str, type[ScoreModule]]:
-    """Model family name -> LightningModule class: a family registers itself when its module file is imported, and
-    every module file of this package is imported here first, so a new family's file needs no import elsewhere."""
-    _import_package_modules()
-    return dict(_FAMILIES)
+    """Model family name -> LightningModule class, read from the families' declarations (:mod:`deqscore.families`),
+    each of which names its module's class path: a family without a declaration is unknown, and a new family's
+    module file needs no registration and no import elsewhere."""
+    return {name: _located(declared.module) for name, declared in declarations().items()}
 
 
-@functools.cache
-def _import_package_modules() -> None:
-    for info in pkgutil.iter_modules(importlib.import_module(__package__).__path__):
-        importlib.import_module(f"{__package__}.{info.name}")
+def _located(class_path: str) -> type:
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def family_of(cls: type) -> str:
+    """The family of a module class: that of the nearest class in its ancestry a declaration names ('' for none)."""
+    by_class = {registered: name for name, registered in family_registry().items()}
+    return next((by_class[c] for c in cls.__mro__ if c in by_class), "")
 
 
 def _plain(value: Any) -> bool:
@@ -95,19 +99,13 @@ def _plain(value: Any) -> bool:
 
 
 class ScoreModule(NonFiniteStops, pl.LightningModule):
-    """Base class; subclasses set ``family``, take ``net`` (and their options) and implement the hooks."""
+    """Base class; subclasses take ``net`` (and their options) and implement the hooks."""
 
-    family: ClassVar[str] = ""
     #: the term of :meth:`compute_loss` that trains the DEQ layers' parameters (what their trust figures check)
     deq_objective: ClassVar[str] = "loss"
     #: one host sync per training step for deqscore's checks (see the module docstring); off: every check reads
     #: its own result at once, as a plain eager step does
     sync_free_steps: bool = False
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if cls.__dict__.get("family"):  # only classes that name a family themselves, not their subclasses
-            _FAMILIES[cls.family] = cls
 
     def __init__(self) -> None:
         super().__init__()
@@ -121,8 +119,10 @@ class ScoreModule(NonFiniteStops, pl.LightningModule):
             elif not _plain(value):
                 del self.hparams[key]
         self.image_codec: ImageCodec | None = None
-        # the image data module's class and data folder: where FID reference images come from after training
-        self.data_source: dict[str, str] | None = None
+        self.whitening: Whitening | None = None  # point data: model space -> the data's units
+        # the data module's class and the options that rebuild its data: where FID reference images, or the
+        # held-out points of a point model's sample plot, come from after training
+        self.data_source: dict[str, Any] | None = None
 
     # ----- to implement per family -------------------------------------------------------------------
     def compute_loss(self, x: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
@@ -170,6 +170,10 @@ class ScoreModule(NonFiniteStops, pl.LightningModule):
             # with the options that rebuild the same images (a folder's image size, say)
             self.data_source = {"class_path": f"{kind.__module__}.{kind.__qualname__}",
                                 "data_dir": str(datamodule.data_dir), **getattr(datamodule, "source_options", {})}
+        elif datamodule is not None and hasattr(datamodule, "source_options"):  # point data
+            kind = type(datamodule)
+            self.data_source = {"class_path": f"{kind.__module__}.{kind.__qualname__}", **datamodule.source_options}
+            self.whitening = getattr(datamodule, "whitening", None)
 
     @torch.no_grad()
     def sample_images(self, n: int) -> torch.Tensor:
@@ -181,6 +185,13 @@ class ScoreModule(NonFiniteStops, pl.LightningModule):
             )
         return self.image_codec.to_images(self.sample(n))
 
+    @torch.no_grad()
+    def sample_points(self, n: int) -> torch.Tensor:
+        """``n`` samples ``[n, ...]`` in the data's units: undoing the data's whitening where it had one (the
+        samples of a model of point data); model space otherwise."""
+        x = self.sample(n)
+        return x if self.whitening is None else self.whitening.to_data(x)
+
     # ----- shared machinery --------------------------------------------------------------------------
     def deq_layers(self) -> list[DEQ]:
         return [m for m in self.modules() if isinstance(m, DEQ)]
@@ -189,7 +200,11 @@ class ScoreModule(NonFiniteStops, pl.LightningModule):
         stats = [d.stats for d in self.deq_layers() if d.stats is not None]
         if not stats:
             return {}
-        return {**self._solve_stats(stats), **self._ift_stats()}
+        # backward="implicit": the last adjoint solve of every nesting level (of the previous step's parameter
+        # gradient, and of this step's own input derivatives), logged as deq/adjoint_*
+        adjoint = [s for d in self.deq_layers() for s in d.adjoint_stats.values()]
+        return {**self._solve_stats(stats), **(self._solve_stats(adjoint, "deq/adjoint_") if adjoint else {}),
+                **self._ift_stats()}
 
     def _ift_stats(self) -> dict[str, torch.Tensor]:
         """``deq/ift_backward_failures``: the fraction of IFT backward solves so far (since the start or the resume)
@@ -201,22 +216,22 @@ class ScoreModule(NonFiniteStops, pl.LightningModule):
         return {"deq/ift_backward_failures": total[1] / total[0]}
 
     @staticmethod
-    def _solve_stats(stats: list) -> dict[str, float | torch.Tensor]:
+    def _solve_stats(stats: list, prefix: str = "deq/") -> dict[str, float | torch.Tensor]:
         if any(s.deferred for s in stats):  # device tensors (check_every != 1): logged without a host sync
             device = next(s.converged.device for s in stats if s.deferred)
             as_t = lambda v: torch.as_tensor(v, dtype=torch.float32).to(device)  # noqa: E731
             return {
                 # a fill kernel, not a host-to-device copy (which would wait for the device)
-                "deq/nstep": torch.full((), sum(s.nstep for s in stats) / len(stats), device=device),
-                "deq/abs_residual": torch.stack([as_t(s.abs_residual) for s in stats]).max(),
-                "deq/rel_residual": torch.stack([as_t(s.rel_residual) for s in stats]).max(),
-                "deq/converged": torch.stack([as_t(s.converged) for s in stats]).min(),
+                f"{prefix}nstep": torch.full((), sum(s.nstep for s in stats) / len(stats), device=device),
+                f"{prefix}abs_residual": torch.stack([as_t(s.abs_residual) for s in stats]).max(),
+                f"{prefix}rel_residual": torch.stack([as_t(s.rel_residual) for s in stats]).max(),
+                f"{prefix}converged": torch.stack([as_t(s.converged) for s in stats]).min(),
             }
         return {
-            "deq/nstep": sum(s.nstep for s in stats) / len(stats),
-            "deq/abs_residual": max(s.abs_residual for s in stats),
-            "deq/rel_residual": max(s.rel_residual for s in stats),
-            "deq/converged": float(all(s.converged for s in stats)),
+            f"{prefix}nstep": sum(s.nstep for s in stats) / len(stats),
+            f"{prefix}abs_residual": max(s.abs_residual for s in stats),
+            f"{prefix}rel_residual": max(s.rel_residual for s in stats),
+            f"{prefix}converged": float(all(s.converged for s in stats)),
         }
 
     def loss_terms(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -299,12 +314,19 @@ class ScoreModule(NonFiniteStops, pl.LightningModule):
         )
 
     # ----- checkpoints ---------------------------------------------------------------------------------
+    @property
+    def family(self) -> str:
+        """The family's name (the checkpoint's family tag), from the declarations (:func:`family_of`)."""
+        return family_of(type(self))
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[FAMILY_KEY] = self.family
         if self.image_codec is not None:
             checkpoint[CODEC_KEY] = self.image_codec.as_dict()
         if self.data_source is not None:
             checkpoint[DATA_KEY] = dict(self.data_source)
+        if self.whitening is not None:
+            checkpoint[WHITENING_KEY] = self.whitening.as_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         found = checkpoint.get(FAMILY_KEY)
@@ -318,6 +340,8 @@ class ScoreModule(NonFiniteStops, pl.LightningModule):
             self.image_codec = ImageCodec.from_dict(checkpoint[CODEC_KEY])
         if checkpoint.get(DATA_KEY) is not None:
             self.data_source = dict(checkpoint[DATA_KEY])
+        if checkpoint.get(WHITENING_KEY) is not None:
+            self.whitening = Whitening.from_dict(checkpoint[WHITENING_KEY])
 
     def _check_shapes(self, checkpoint: dict[str, Any]) -> None:
         """ConfigError naming both sizes when the checkpoint's weights do not fit this module (e.g. a network

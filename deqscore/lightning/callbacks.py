@@ -127,11 +127,13 @@ INTERRUPTED_STATUS = 128 + signal.SIGINT  # the exit status of a run stopped by 
 
 
 class Preempted(SystemExit):
-    """Training stopped by SIGTERM, SIGUSR1 or Ctrl-C, its state saved (:class:`SaveOnInterrupt`)."""
+    """A run stopped by SIGTERM, SIGUSR1 or Ctrl-C. ``saved``: its state is in ``checkpoints/interrupted.ckpt``
+    (false for a signal that came before training started: there was nothing to save); ``at_once``: a second
+    Ctrl-C, which stops in the middle of a step (the state is saved where it landed, :class:`SaveOnInterrupt`)."""
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, saved: bool = True, at_once: bool = False):
         super().__init__(INTERRUPTED_STATUS if signum == signal.SIGINT else PREEMPTED_STATUS)
-        self.signum = signum
+        self.signum, self.saved, self.at_once = signum, saved, at_once
 
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -157,6 +159,12 @@ class SaveOnInterrupt(pl.Callback):
         self._signalled: int | None = None
         self._saved = False  # the preempted state is written: stop before the next batch
         self._previous: dict[int, object] = {}
+        self.finished = False  # training ran to its end: a signal now has nothing left to save
+
+    @property
+    def saved(self) -> bool:
+        """The state of a stop by a signal is written (the run ends with :class:`Preempted`)."""
+        return self._saved
 
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
@@ -164,7 +172,7 @@ class SaveOnInterrupt(pl.Callback):
 
     def _note(self, signum: int, frame: object) -> None:
         if signum == signal.SIGINT and self._signalled == signal.SIGINT:
-            raise KeyboardInterrupt  # Ctrl-C again: now
+            raise Preempted(signum, at_once=True)  # Ctrl-C again: now (on_exception saves the state)
         self._signalled = signum
         if signum == signal.SIGINT:
             rank_zero_info("Ctrl-C: the batch under way finishes and its state is saved (Ctrl-C again: stop now)")
@@ -193,15 +201,24 @@ class SaveOnInterrupt(pl.Callback):
         if self._saved:
             raise Preempted(self._signalled)
 
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.finished = True
+
     def teardown(self, trainer: pl.Trainer, module: pl.LightningModule, stage: str) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+        # Lightning restores the handlers it found before the fit first (its own teardown comes before this hook):
+        # a handler of this callback's is put back only where it is still in place
+        if threading.current_thread() is threading.main_thread():
+            for signum, handler in self._previous.items():
+                if signal.getsignal(signum) == self._note:
+                    signal.signal(signum, handler)
         self._previous = {}
 
     def on_exception(self, trainer: pl.Trainer, module: pl.LightningModule, exception: BaseException) -> None:
-        if not isinstance(exception, KeyboardInterrupt) or trainer.state.fn != "fit":
+        at_once = isinstance(exception, KeyboardInterrupt) or (isinstance(exception, Preempted) and exception.at_once)
+        if not at_once or trainer.state.fn != "fit":
             return  # a preemption saved its state at the batch's end
         self._save(trainer, "interrupted at")
+        self._saved = True
 
     @staticmethod
     def _save(trainer: pl.Trainer, what: str) -> None:

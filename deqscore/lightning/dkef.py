@@ -13,6 +13,10 @@ The closing stage after fit (:meth:`DKEFModule.closing_stage`, run by the base's
 best checkpoint's weights) solves alpha on the whole training set and fine-tunes ``log_lambda`` alone on validation
 batches; the result is saved as ``checkpoints/final.ckpt``.
 
+Samples (:meth:`DKEFModule.sample`, ``sample.py``) are drawn by Langevin dynamics on the model's density
+(``sampler``: Metropolis-adjusted by default, so the chain's stationary law is the model's own), in the whitened
+space, and written in the data's units through the whitening the checkpoint keeps.
+
 Validation and test log the loss, the exact score-matching loss (``exact_sm``) and the log-likelihood, with log Z
 estimated by importance sampling (``log_z``, ``log_z_stderr``, ``log_z_ess``; ``log_z_proposal``: ``mixture``,
 the default, half the broad Gaussian ``N(0, 4 I)`` and half Gaussians at the whitened training points, or
@@ -36,12 +40,14 @@ import math
 from typing import Any, Literal
 
 import torch
+from jsonargparse import lazy_instance
 
 from ..deq import deq_backward
 from ..errors import ConfigError, check_count, check_real
 from ..losses import DSM, SSM, SSMVR, ExactSM, ScoreLoss, build_loss, exact_score_matching
 from ..models import DKEF
 from ..models.dkef import effective_sample_size
+from ..sampling.langevin import Langevin, plain_copy, seeded_generator
 from .base import ScoreModule
 
 DKEF_LOSSES = ("exact", "ssm", "ssm_vr", "dsm")
@@ -49,6 +55,8 @@ LOG_Z_PROPOSALS = ("gaussian", "mixture")
 FINAL_STAGE_SEED = 0  # random draws of the final alpha system (projections or noise)
 
 
+#: the sampler of a config that names none (printed with its options by --print_config)
+DEFAULT_SAMPLER = lazy_instance(Langevin)
 ALPHA_CHUNK = 256  # rows per chunk of a graph-free alpha system
 
 
@@ -68,7 +76,6 @@ def alpha_objective(loss: ScoreLoss) -> dict[str, Any]:
 class DKEFModule(ScoreModule):
     """LightningModule around :class:`deqscore.models.DKEF`."""
 
-    family = "dkef"
 
     def __init__(
         self,
@@ -82,7 +89,9 @@ class DKEFModule(ScoreModule):
         final_lambda_lr: float = 1e-3,  # their learning rate
         exact_sm_batches: int = -1,  # val/test batches on which exact SM is computed (-1: all)
         log_z_proposal: Literal["gaussian", "mixture"] = "mixture",  # importance proposal of log Z (see below)
+        sampler: Langevin = DEFAULT_SAMPLER,  # the Langevin chain of sample() on the model's density
     ):
+        sampler = plain_copy(sampler)  # before the hyper-parameters copy it: the default is one shared object
         super().__init__()
         self.net = net
         self.loss = build_loss(loss, ScoreLoss, key="loss")
@@ -100,6 +109,7 @@ class DKEFModule(ScoreModule):
         if log_z_proposal not in LOG_Z_PROPOSALS:
             raise ConfigError(f"log_z_proposal: expected one of {', '.join(LOG_Z_PROPOSALS)}, got {log_z_proposal!r}")
         self.log_z_proposal = log_z_proposal
+        self.sampler = sampler
         self._log_z: tuple[float, float, int] | None = None  # log Z, its standard error, the draws
 
     # ----- data -----------------------------------------------------------------------------------------------
@@ -177,6 +187,23 @@ class DKEFModule(ScoreModule):
             metrics["fisher_divergence"] = 0.5 * (model_score - true_score(x)).pow(2).sum(1).mean()
             metrics["true_log_likelihood"] = datamodule.true_log_prob(x).mean()
         return metrics
+
+    # ----- samples ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """``n`` samples ``[n, dim]`` of the model's density with its stored alpha, in the whitened space it was
+        trained in (``sample_points`` maps them to the data's units), by the configured Langevin chain with the
+        derivatives of the converged model (as every reported figure); the noise comes from ``generator``
+        (default: seeded from torch's RNG, so ``torch.manual_seed`` fixes the samples)."""
+        device, dtype = self.net.centres.device, self.net.centres.dtype
+        was_training = self.net.training
+        self.net.eval()
+        try:
+            with deq_backward(self.net, "unroll"):
+                return self.sampler(self.net.log_density, (n, self.net.dim), generator or seeded_generator(device),
+                                    device=device, dtype=dtype)
+        finally:
+            self.net.train(was_training)
 
     # ----- the final stage ------------------------------------------------------------------------------------
     def closing_stage(self, datamodule: Any) -> None:

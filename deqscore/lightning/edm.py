@@ -6,8 +6,8 @@ levels, ``sigma_data = 0.5`` and the sampler's ``sigma_max = 80`` are meant; sam
 training sample draws ``ln sigma ~ N(p_mean, p_std^2)``; validation and test report the same loss with fixed
 draws (the run's seeding), the held-out denoising loss.
 
-The loss is first-order in the network's output, so a DEQ body may use ``backward: ift`` (exact) or
-``phantom``. While sampling, each DEQ solve starts from the previous evaluation's fixed point (the next Heun
+The loss is first-order in the network's output, so a DEQ body may use ``backward: ift`` or ``implicit`` (both
+exact) or ``phantom``. While sampling, each DEQ solve starts from the previous evaluation's fixed point (the next Heun
 evaluation is at the same or a nearby noise level and input); :meth:`EDMModule.sampling_cost` counts network
 evaluations per sample and solver iterations per evaluation, cold or warm.
 
@@ -33,8 +33,6 @@ from .base import ScoreModule
 
 class EDMModule(ScoreModule):
     """LightningModule around :class:`deqscore.models.edm.EDM`."""
-
-    family = "edm"
 
     def __init__(
         self,

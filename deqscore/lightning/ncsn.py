@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from jsonargparse import lazy_instance
 from pytorch_lightning.utilities import rank_zero_info
 
 from ..deq import require_backward
@@ -36,9 +37,11 @@ from ..errors import ConfigError
 from ..losses import SCHEDULES, AnnealedLoss, build_loss, loss_names, noise_schedule
 from ..losses.annealed import schedule_from_data
 from ..models import NCSN
-from ..sampling.langevin import AnnealedLangevin
+from ..sampling.langevin import AnnealedLangevin, plain_copy, seeded_generator
 from .base import ScoreModule
 
+#: the sampler of a config that names none (printed with its options by --print_config)
+DEFAULT_SAMPLER = lazy_instance(AnnealedLangevin)
 NCSN_LOSSES = loss_names(AnnealedLoss)
 NCSNLossName = Literal[NCSN_LOSSES]  # type: ignore[valid-type]  # the registered names, checked when parsing
 ScheduleName = Literal[tuple(SCHEDULES)]  # type: ignore[valid-type]
@@ -47,7 +50,6 @@ ScheduleName = Literal[tuple(SCHEDULES)]  # type: ignore[valid-type]
 class NCSNModule(ScoreModule):
     """LightningModule around :class:`deqscore.models.NCSN`."""
 
-    family = "ncsn"
 
     def __init__(
         self,
@@ -57,10 +59,11 @@ class NCSNModule(ScoreModule):
         sigma_max: float = 50.0,  # sigma_1, the largest noise level (CIFAR-10: 50)
         sigma_min: float = 0.01,  # sigma_L, the smallest
         n_levels: int = 232,  # L (CIFAR-10: 232)
-        sampler: AnnealedLangevin | None = None,  # annealed Langevin options (None: AnnealedLangevin's defaults)
+        sampler: AnnealedLangevin | None = DEFAULT_SAMPLER,  # annealed Langevin options (None: the defaults)
         schedule_from_data: bool = False,  # sigma_max, n_levels and the sampler's step_lr from the training data
         schedule_data_subset: int = 10_000,  # training images whose largest pairwise distance gives sigma_max
     ):
+        sampler = plain_copy(sampler)  # before the hyper-parameters copy it: the default is one shared object
         super().__init__()
         self.net = net
         self.loss = build_loss(loss, AnnealedLoss, key="loss")
@@ -70,7 +73,7 @@ class NCSNModule(ScoreModule):
         # Not a buffer (it follows the module's device and dtype through _apply): weight averaging copies the
         # buffers at setup, and a schedule from the data changes the number of levels after that copy.
         self.sigmas = noise_schedule(schedule, sigma_max, sigma_min, n_levels).float()
-        self.sampler = sampler or AnnealedLangevin()
+        self.sampler = sampler or AnnealedLangevin()  # None: a checkpoint saved before the default was shown
         self.schedule_from_data, self.schedule_data_subset = schedule_from_data, schedule_data_subset
 
     def setup(self, stage: str) -> None:
@@ -116,9 +119,7 @@ class NCSNModule(ScoreModule):
         tolerance); the noise comes from ``generator`` (default: seeded from torch's RNG, so ``torch.manual_seed``
         fixes the samples)."""
         device = self.sigmas.device
-        if generator is None:
-            seed = int(torch.randint(0, 2**62, (1,)).item())
-            generator = torch.Generator(device=device).manual_seed(seed)
+        generator = generator or seeded_generator(device)
         was_training = self.net.training
         layers = self.deq_layers()
         saved = [(d.warm_start, d.z_cache) for d in layers]

@@ -39,7 +39,6 @@ NICELossName = Literal[NICE_LOSSES]  # type: ignore[valid-type]  # the registere
 class NICEModule(ScoreModule):
     """LightningModule around :class:`deqscore.models.NICE`."""
 
-    family = "nice"
 
     def __init__(
         self,

@@ -180,25 +180,36 @@ def checkpoint_run_dir(ckpt_path: str | Path) -> Path | None:
     return run_dir if run_dir.name not in ("", ".", "..") else run_dir.absolute().resolve()
 
 
-def move_aside(run_dir: Path) -> Path:
-    """Rename ``run_dir`` to the first free ``<run_dir>.<n>``; returns the new path."""
+def move_aside(run_dir: Path, tag: str = "") -> Path:
+    """Rename ``run_dir`` to the first free ``<run_dir>.<tag><n>``; returns the new path."""
     n = 1
-    while run_dir.with_name(f"{run_dir.name}.{n}").exists():
+    while run_dir.with_name(f"{run_dir.name}.{tag}{n}").exists():
         n += 1
-    return run_dir.rename(run_dir.with_name(f"{run_dir.name}.{n}"))
+    return run_dir.rename(run_dir.with_name(f"{run_dir.name}.{tag}{n}"))
+
+
+def resume_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint the run in ``run_dir`` resumes from: the newer of ``checkpoints/interrupted.ckpt`` and
+    ``checkpoints/last.ckpt``, else its newest checkpoint; None when it holds none (it stopped before its first)."""
+    folder = Path(run_dir) / "checkpoints"
+    found = [p for p in (folder / "interrupted.ckpt", folder / "last.ckpt") if p.is_file()] or (
+        sorted(folder.glob("*.ckpt")) if folder.is_dir() else [])
+    return max(found, key=lambda p: p.stat().st_mtime_ns) if found else None
 
 
 def prepare_fresh_run(run_dir: Path, overwrite: bool) -> Path | None:
     """Refuse a fresh run in a directory holding one, unless ``overwrite``: then move the old run aside whole and
-    return where it went."""
+    return where it went. The refusal names the checkpoint to resume from, and only one that exists."""
     found = holds_a_run(run_dir)
     if not found:
         return None
     if not overwrite:
+        resume = resume_checkpoint(run_dir)
+        what = (f"resume it with --ckpt_path {resume}" if resume is not None else
+                "it holds no checkpoint to resume from (it stopped before its first)")
         raise ConfigError(
-            f"run directory {run_dir} already holds a run ({', '.join(found)}); resume it with --ckpt_path "
-            f"{run_dir / 'checkpoints' / 'last.ckpt'}, choose another --run_name, or pass --overwrite_run true to "
-            f"move the old run aside (to {run_dir}.<n>)"
+            f"run directory {run_dir} already holds a run ({', '.join(found)}); {what}, choose another --run_name, "
+            f"or pass --overwrite_run true to move the old run aside (to {run_dir}.<n>)"
         )
     return move_aside(run_dir)
 

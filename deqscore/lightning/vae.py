@@ -48,7 +48,6 @@ from .base import ScoreModule
 class VAEModule(ScoreModule):
     """LightningModule around :class:`deqscore.models.ImplicitVAE` or :class:`deqscore.models.GaussianVAE`."""
 
-    family = "vae"
     deq_objective = "score_ssm"  # the DEQ is in the score network, trained by its own SSM-VR term
 
     def __init__(

@@ -1,6 +1,12 @@
 """Activation memory: bytes of the tensors autograd saves for backward during one training step (forward and
 backward), parameters excluded. One meter serves the benchmark and the figure a training run logs.
 
+The meter reads the saved tensors of every autograd node created while it is active (a node-creation hook), not
+through saved-tensor hooks: ``torch.func`` refuses to run under those, and the exact DEQ backward
+(``backward="implicit"``) takes its partial derivatives with ``torch.func.vjp``. What a ``torch.func`` transform
+records at its own inner level (tensors wrapped by it) lives only inside that call and is not counted: it is
+working memory, like a solver's history, not part of the step's graph.
+
 >>> import torch
 >>> lin = torch.nn.Linear(10, 10)
 >>> with SavedTensorMeter(exclude=lin.parameters()) as meter:
@@ -15,6 +21,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch._C._functorch import is_functorch_wrapped_tensor
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
@@ -22,6 +29,28 @@ def _storage_key(t: torch.Tensor) -> tuple:
         return (t.untyped_storage().data_ptr(), t.device)
     except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. functorch wrappers)
         return (id(t), t.device)
+
+
+def _saved_tensors(node: torch.autograd.graph.Node) -> list[torch.Tensor]:
+    """The tensors ``node`` saved for its backward (a built-in node's ``_saved_*`` fields, a custom Function's
+    ``saved_tensors``), those wrapped by a ``torch.func`` transform left out."""
+    found: list = []
+    for name in dir(node):
+        if name.startswith("_saved_") or name == "saved_tensors":
+            try:
+                value = getattr(node, name)
+            except RuntimeError:  # already released
+                continue
+            found.extend(value if isinstance(value, (list, tuple)) else [value])
+    return [t for t in found if isinstance(t, torch.Tensor) and not is_functorch_wrapped_tensor(t)
+            and not _lone_scalar(t)]
+
+
+def _lone_scalar(t: torch.Tensor) -> bool:
+    """A 0-d tensor with a storage of its own. An operation with a Python number (``y * 3``) saves the number as
+    one: no activation (saved-tensor hooks never saw one), and not to be told apart from a genuine 0-d tensor, which
+    is left out with it (a few bytes)."""
+    return t.dim() == 0 and _storage_nbytes(t) <= t.element_size()
 
 
 def _storage_nbytes(t: torch.Tensor) -> int:
@@ -45,14 +74,14 @@ class SavedTensorMeter:
         self._excluded = {_storage_key(p) for p in exclude}
         self._seen: dict[tuple, int] = {}
         self._pinned: list[torch.Tensor] = []
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._ctx = torch.autograd.graph.node_creation_hook(self._node)
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        self._pinned.append(t)
-        key = _storage_key(t)
-        if key not in self._excluded and key not in self._seen:
-            self._seen[key] = _storage_nbytes(t)
-        return t
+    def _node(self, node: torch.autograd.graph.Node) -> None:
+        for t in _saved_tensors(node):
+            self._pinned.append(t)
+            key = _storage_key(t)
+            if key not in self._excluded and key not in self._seen:
+                self._seen[key] = _storage_nbytes(t)
 
     @property
     def bytes(self) -> int:

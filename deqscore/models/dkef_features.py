@@ -30,6 +30,11 @@ class DKEFDEQMap(nn.Module):
         """``W / w``."""
         return frobenius_scale(self.lin.weight, c=1 + 1e-6, eps=1e-6, grad_through_norm=self.grad_through_norm)
 
+    def affine_weight(self) -> Tensor:
+        """``W / w``: the map is linear in ``z``, so ``DEQ(backward="implicit")`` solves it directly,
+        ``z* = u (I - W^T / w)^{-1}`` (one batched linear solve)."""
+        return self.scaled_weight()
+
     def forward(self, z: Tensor, u: Tensor) -> Tensor:
         return F.linear(z, self.scaled_weight()) + u
 

@@ -19,7 +19,8 @@ residual blocks conditioned on ``c_noise`` (sinusoidal features, an MLP, a bias 
   encoder's half-resolution features plus the noise embedding, inside :class:`deqscore.deq.DEQ`.
 
 The denoising loss differentiates the output only with respect to the parameters (first order), so the DEQ's
-``backward="ift"`` gives the exact gradient of the converged layer; ``"phantom"`` is its K-step truncation.
+``backward="ift"`` gives the exact gradient of the converged layer (as does ``"implicit"``, which is not needed
+here: it serves losses of higher order); ``"phantom"`` is its K-step truncation.
 
 >>> import torch
 >>> net = EDM(dim=64, channels=1, ngf=4, body="unet")

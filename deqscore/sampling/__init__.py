@@ -1,4 +1,5 @@
-"""Sampling: annealed Langevin dynamics (:class:`AnnealedLangevin`), PNG grids, and drawing samples from any
+"""Sampling: annealed Langevin dynamics (:class:`AnnealedLangevin`), Langevin dynamics on one density
+(:class:`Langevin`), PNG grids and point plots, and drawing samples from any
 family's module in batches, in memory
 (:func:`draw_samples`, for small ``n``) or streamed to an ``.npy`` file (:func:`stream_samples`, any ``n``).
 
@@ -17,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .grid import pyplot, save_image_grid
-from .langevin import LANGEVIN_INITS, LANGEVIN_VARIANTS, AnnealedLangevin
+from .langevin import LANGEVIN_INITS, LANGEVIN_VARIANTS, AnnealedLangevin, Langevin
 from .stream import (
     GRID_SIZE,
     NpyAppender,
@@ -33,6 +34,7 @@ __all__ = [
     "LANGEVIN_INITS",
     "LANGEVIN_VARIANTS",
     "AnnealedLangevin",
+    "Langevin",
     "GRID_SIZE",
     "NpyAppender",
     "OutputError",

@@ -174,10 +174,13 @@ def stream_samples(
     batch_size: int = 256,
     stem: str = "samples",
     progress: bool = True,
+    picture: Callable[[np.ndarray, Path], object] | None = None,
+    picture_size: int = GRID_SIZE,
 ) -> SampleFiles:
     """Call ``draw(k)`` (``k <= batch_size``, e.g. ``module.sample_images``) until ``n`` images ``[k, C, H, W]`` are
     drawn, appending each batch to the array ``<stem>`` of ``<stem>.npz`` and keeping the first 100 for
-    ``<stem>.png`` (module doc).
+    ``<stem>.png`` (module doc). Samples that are not images (``module.sample_points``) give ``picture``, called
+    with the first ``picture_size`` samples and the PNG's path, in place of the grid.
 
     The first batch is drawn before anything is created, so a ``draw`` that fails at once leaves nothing behind.
     """
@@ -190,7 +193,7 @@ def stream_samples(
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     with tqdm(total=n, desc="sampling", unit="img", disable=not progress) as bar, \
             staged([array_path, grid_path]) as (array_tmp, grid_tmp):
-        preview = Preview()
+        preview = Preview(picture_size if picture is not None else GRID_SIZE)
         with NpyAppender(array_tmp, shape, batch.dtype, member=stem) as writer:
             while batch is not None:
                 writer.append(batch)
@@ -199,5 +202,8 @@ def stream_samples(
                 batch = None  # free the written batch before drawing the next one
                 k = next(sizes, None)
                 batch = _draw(draw, k) if k else None
-        save_image_grid(preview.images(), grid_tmp)
+        if picture is None:
+            save_image_grid(preview.images(), grid_tmp)
+        else:
+            picture(preview.images().numpy(), grid_tmp)
     return SampleFiles(array_path, grid_path, shape)

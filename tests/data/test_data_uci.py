@@ -185,6 +185,17 @@ def test_whitening_maps_the_file_rows_back(uci_root):
     rows = raw[dm.split_rows["test"]][:, kept]
     back = dm.test_data.double().numpy() @ np.linalg.inv(dm.whiten_matrix) + dm.whiten_mean
     assert np.allclose(back, rows, rtol=1e-5, atol=1e-6 * np.abs(raw).max(axis=0)[kept])
+    # the whitening's own inverse (what sample.py writes samples through) does the same, on tensors too
+    assert np.allclose(dm.whitening.to_data(dm.test_data.double()).numpy(), rows, rtol=1e-5,
+                       atol=1e-6 * np.abs(raw).max(axis=0)[kept])
+    assert np.allclose(dm.whitening.to_model(rows), dm.test_data.double().numpy(), atol=1e-5)
+    assert dm.whitening.columns == tuple(dm.source_columns)
+
+
+def test_a_dimension_is_only_taken_by_the_synthetic_data(uci_root):
+    with pytest.raises(ConfigError, match="dim: only the synthetic data set 'highdim' takes a dimension; 'redwine'"):
+        UCIDataModule("redwine", root=str(uci_root), dim=11)
+    assert UCIDataModule("highdim").dim == 200 and UCIDataModule("redwine", root=str(uci_root)).dim == 11
 
 
 # -- Parkinsons column pruning -----------------------------------------------------------------------------
@@ -247,7 +258,7 @@ def test_wine_dequantisation_keeps_each_value_in_its_bin(uci_root, dataset, name
 
 @pytest.mark.parametrize("dataset", ["redwine", "parkinsons", "highdim"])
 def test_determinism_under_the_seed(uci_root, dataset):
-    kwargs = {"dataset": dataset, "root": str(uci_root), "dim": 5}
+    kwargs = {"dataset": dataset, "root": str(uci_root)} | ({"dim": 5} if dataset == "highdim" else {})
     a, b, c = _setup(**kwargs), _setup(**kwargs), _setup(seed=7, **kwargs)
     for name in ("train_data", "val_data", "test_data"):
         assert torch.equal(getattr(a, name), getattr(b, name))

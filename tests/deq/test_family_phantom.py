@@ -1,8 +1,8 @@
-"""Every family's score network through its DEQ, under its own loss (its declaration's ``phantom_probe``): with
-``backward="phantom"`` the parameter gradient of the loss equals that of the same loss with the DEQ replaced by the
-K damped steps written out by hand from the frozen (detached) fixed point. Float64, tiny sizes; the losses
-differentiate twice through the layer (score matching), so second derivatives of the phantom steps are compared
-too."""
+"""Every family's score network through its DEQ, under its own loss (its fixtures' ``phantom_probe``,
+``tests/families``): with ``backward="phantom"`` the parameter gradient of the loss equals that of the same loss
+with the DEQ replaced by the K damped steps written out by hand from the frozen (detached) fixed point. Float64,
+tiny sizes; the losses differentiate twice through the layer (score matching), so second derivatives of the
+phantom steps are compared too."""
 
 import functools
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from deqscore.deq import DEQ
-from deqscore.families import declarations
+from tests.families import fixtures
 
 K, LAM = 3, 0.6
 
@@ -44,8 +44,8 @@ PHANTOM = functools.partial(DEQ, backward="phantom", phantom_steps=K, phantom_da
                             tol=1e-13, max_iter=500, warn_on_nonconvergence=False)
 
 
-#: family -> its declaration's phantom probe (deqscore/families)
-FAMILIES = {name: d.phantom_probe for name, d in declarations().items() if d.phantom_probe}
+#: family -> its phantom probe (tests/families/<name>.py), for every declared family that has one
+FAMILIES = {name: file.phantom_probe for name, file in fixtures().items() if hasattr(file, "phantom_probe")}
 
 
 def _loss_gradients(build, deq, state=None):

@@ -1,8 +1,8 @@
 """Tiny, fast settings for running the real CLI on the embedded MNIST, per model family (in one place).
 
-A new family's declaration (``deqscore/families/<name>.py``) gives its configs and its tiny overrides; the
-parametrised tests of ``test_families.py`` then run every one of its configs (parse, ``fast_dev_run``, checkpoint
-and resume, sampling) without further code.
+A new family's declaration (``deqscore/families/<name>.py``) gives its configs and its fixtures
+(``tests/families/<name>.py``) its tiny overrides; the parametrised tests of ``test_families.py`` then run every
+one of its configs (parse, ``fast_dev_run``, checkpoint and resume, sampling) without further code.
 """
 
 import atexit
@@ -17,6 +17,7 @@ import pytest
 from deqscore.configfiles import is_base, load_config
 from deqscore.families import declarations
 from tests.data.fake_images import write_celeba, write_cifar10
+from tests.families import fixture_file
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if not is_base(p))  # runnable configs
@@ -41,10 +42,14 @@ def fake_image_data() -> Path:
     return root
 
 
-#: family -> (its configs, a function giving the overrides that shrink one of them to seconds on a CPU), from the
-#: families' declarations (deqscore.families)
-FAMILY_TINY = {name: (d.all_configs(), functools.partial(d.tiny, images=fake_image_data))
-               for name, d in declarations().items()}
+def family_tiny() -> dict:
+    """Family -> (its configs, a function giving the overrides that shrink one of them to seconds on a CPU), for
+    every declared family (:mod:`deqscore.families`), its overrides from its fixtures (``tests/families``)."""
+    return {name: (d.all_configs(), functools.partial(fixture_file(name).tiny, images=fake_image_data))
+            for name, d in declarations().items()}
+
+
+FAMILY_TINY = family_tiny()
 
 
 def family_of(config: Path) -> str:

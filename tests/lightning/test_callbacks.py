@@ -13,8 +13,6 @@ from deqscore.lightning import callbacks as callbacks_module
 class DriftingMean(ScoreModule):
     """A 1-d Gaussian energy whose mean drifts under training; its "samples" are images of the mean itself."""
 
-    family = ""  # a test double, not a registered family
-
     def __init__(self):
         super().__init__()
         self.mu = nn.Parameter(torch.zeros(1))

@@ -71,6 +71,58 @@ def test_usage_errors_are_one_message_without_traceback(tmp_path, capsys, extra,
     assert not (tmp_path / "t").exists()  # nothing was written
 
 
+TRAINER_OPTION_ERRORS = [  # (option, a value out of its range, what the one line must say)
+    ("max_steps", "-5", "trainer.max_steps must be -1 (no limit) or an int >= 0, got -5"),
+    ("max_epochs", "-5", "trainer.max_epochs must be -1 (no limit) or an int >= 0, got -5"),
+    ("accumulate_grad_batches", "0", "trainer.accumulate_grad_batches must be an int >= 1, got 0"),
+    ("val_check_interval", "0", "trainer.val_check_interval must be an int >= 1 (batches), a float in (0, 1]"),
+    ("val_check_interval", "1.5", "trainer.val_check_interval must be an int >= 1 (batches), a float in (0, 1]"),
+    ("limit_train_batches", "-1", "trainer.limit_train_batches must be an int >= 0 or a float in [0, 1], got -1"),
+    ("limit_val_batches", "1.5", "trainer.limit_val_batches must be an int >= 0 or a float in [0, 1], got 1.5"),
+    ("limit_test_batches", "-2", "trainer.limit_test_batches must be an int >= 0 or a float in [0, 1], got -2"),
+    ("limit_predict_batches", "-1", "trainer.limit_predict_batches must be an int >= 0 or a float in [0, 1]"),
+    ("devices", "0", "trainer.devices must be 'auto', -1 (all), an int >= 1"),
+    ("devices", "-2", "trainer.devices must be 'auto', -1 (all), an int >= 1"),
+    ("num_nodes", "0", "trainer.num_nodes must be an int >= 1, got 0"),
+    ("check_val_every_n_epoch", "0", "trainer.check_val_every_n_epoch must be an int >= 1 or null, got 0"),
+    ("num_sanity_val_steps", "-3", "trainer.num_sanity_val_steps must be -1 (all) or an int >= 0, got -3"),
+    ("gradient_clip_val", "-1", "trainer.gradient_clip_val must be a finite number >= 0, got -1"),
+    ("accelerator", "gpu", "trainer: "),  # refused by Lightning's constructor here (no GPU): one line too
+]
+
+
+@pytest.mark.parametrize(("option", "value", "expected"), TRAINER_OPTION_ERRORS,
+                         ids=[f"{o}={v}" for o, v, _ in TRAINER_OPTION_ERRORS])
+def test_a_trainer_option_out_of_range_is_one_line_before_anything_is_written(tmp_path, capsys, option, value,
+                                                                             expected):
+    if option == "accelerator" and torch.cuda.is_available():
+        pytest.skip("a GPU is there: the accelerator is accepted")
+    assert run(["fit", *tiny_args(tmp_path), f"--trainer.{option}", value]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"error: {expected}" in lines[0], err
+    assert not (tmp_path / "t").exists()  # checked before the run directory is made
+
+
+def test_a_trainer_option_lightning_checks_against_the_data_is_one_line_and_blocks_nothing(tmp_path, capsys):
+    # 3 training batches an epoch: validation every 1000 batches is refused when the fit starts (after the run
+    # directory was made), one line all the same, and the directory is moved aside
+    assert run(["fit", *tiny_args(tmp_path), "--trainer.val_check_interval", "1000"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if "error: " in line]
+    assert len(lines) == 1 and "error: trainer: `val_check_interval` (1000) must be less than or equal" in lines[0]
+    assert not (tmp_path / "t").exists() and (tmp_path / "t.failed-1").is_dir()
+
+
+@pytest.mark.parametrize(("option", "value"), [("max_steps", "-1"), ("max_epochs", "-1"), ("limit_val_batches", "0"),
+                                               ("limit_train_batches", "1.0"), ("val_check_interval", "2"),
+                                               ("devices", "1"), ("accumulate_grad_batches", "2")])
+def test_trainer_options_lightning_takes_are_accepted(option, value):
+    from deqscore.cli.trainer_options import RULES
+
+    parsed = {"-1": -1, "0": 0, "1.0": 1.0, "2": 2, "1": 1}[value]
+    assert RULES[option][0](parsed)
+
+
 def test_a_checkpoint_that_is_not_one_is_a_usage_error(tmp_path, capsys):
     (tmp_path / "junk.ckpt").write_bytes(b"not a checkpoint")
     assert run(["fit", *tiny_args(tmp_path), "--ckpt_path", str(tmp_path / "junk.ckpt")]) == 2

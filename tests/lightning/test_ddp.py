@@ -281,3 +281,45 @@ def test_a_rank_that_stops_answering_is_stopped_after_the_process_group_timeout(
     lines = _errors(proc.stderr)
     assert len(lines) == 1 and "rank 1 (pid" in lines[0] and "process-group timeout (15 s)" in lines[0], \
         proc.stderr[-3000:]
+
+
+def test_a_preempted_ddp_run_says_so_once(tmp_path):
+    """SIGTERM to the launcher (rank 0) alone: both ranks stop at the same batch with the state saved, and the run
+    prints one error line, not one per rank."""
+    fit = ["train.py", "fit", *tiny_args(tmp_path, "configs/nice/explicit.yaml", "term"), *DDP_CPU,
+           "--trainer.max_steps", "100000", "--trainer.callbacks+=tests.lightning.test_preemption.StepMarker"]
+    proc = _start(fit)
+    step = tmp_path / "term" / "step"
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (step.exists() and step.read_text() and int(step.read_text()) >= 1):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    lines = _errors(err)
+    assert len(lines) == 1 and "preempted by SIGTERM" in lines[0], err[-3000:]
+    assert (tmp_path / "term" / "checkpoints" / "interrupted.ckpt").is_file()
+
+
+GLOO_RESET = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:538] Connection closed by peer [127.0.0.1]:58474. "
+              "This is typically caused by a remote worker crashing. Check the logs of the remote worker before "
+              "reporting an error.\nException raised from ...")
+
+
+def test_the_lost_rank_message_keeps_the_transports_sentences_whole():
+    from types import SimpleNamespace
+
+    from deqscore.cli.ranks import lost_rank_message
+
+    strategy = SimpleNamespace(launcher=None, global_rank=0)  # a rank of another node was lost
+    message = lost_rank_message(RuntimeError(GLOO_RESET), strategy, False, 1800.0, "run/checkpoints/last.ckpt")
+    assert "(Connection closed by peer [127.0.0.1]:58474. This is typically caused by a remote worker crashing. " \
+           "Check the logs of the remote worker before reporting an error)" in message, message
+    assert "pair.cc" not in message and "resume with --ckpt_path run/checkpoints/last.ckpt" in message
+    # a run that had saved no checkpoint is not sent to one
+    message = lost_rank_message(RuntimeError(GLOO_RESET), strategy, False, 1800.0, None)
+    assert ".ckpt" not in message and "saved no checkpoint yet" in message

@@ -70,3 +70,92 @@ def test_a_preempted_run_saves_its_state_and_resumes_exactly(tmp_path, signum, a
         assert p.returncode == 0, out[-2000:] + err[-2000:]
     assert _losses(tmp_path / "cut") == _losses(tmp_path / "whole")  # every step, bit for bit
     assert len(_losses(tmp_path / "whole")) == STEPS
+
+
+def _wait_for(path, proc, at_least=0):
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (path.exists() and path.read_text() and int(path.read_text()) >= at_least):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+
+
+def _error_lines(err):
+    return [line for line in err.splitlines() if line.startswith("train.py: error:")]
+
+
+class SlowBatchStart(pl.Callback):
+    """Writes the step about to be trained to ``<run>/step``, then waits in the batch's start: two Ctrl-C sent on
+    seeing step k both arrive before batch k runs."""
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        Path(trainer.default_root_dir, "step").write_text(str(trainer.global_step))
+        time.sleep(2)
+
+
+def test_a_second_ctrl_c_stops_at_once_with_status_130_and_one_line(tmp_path):
+    proc = _start(["fit", *tiny_args(tmp_path, CONFIG, "twice"), "--trainer.max_steps", "1000",
+                   "--trainer.max_epochs", "-1", f"--trainer.callbacks+={__name__}.SlowBatchStart"])
+    _wait_for(tmp_path / "twice" / "step", proc, at_least=2)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == INTERRUPTED_STATUS, out[-2000:] + err[-2000:]
+    lines = _error_lines(err)
+    assert len(lines) == 1 and "interrupted by Ctrl-C twice" in lines[0], err[-2000:]
+    assert "Traceback" not in err and "Detected KeyboardInterrupt" not in err
+    saved = tmp_path / "twice" / "checkpoints" / "interrupted.ckpt"  # where it landed: before batch 2 ran
+    assert torch.load(saved, weights_only=False)["global_step"] == 2
+
+
+class SlowFitEnd(pl.Callback):
+    """Marks the end of the fit in ``<run>/fit_end`` and waits there: a signal sent on seeing it arrives after
+    training finished, while the fit ends (sample grid, curves, loggers) and tears down."""
+
+    def on_fit_end(self, trainer, module):
+        Path(trainer.default_root_dir, "fit_end").write_text("1")
+        time.sleep(3)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_a_signal_after_the_fit_finished_leaves_status_0_so_a_batch_script_does_not_requeue(tmp_path, signum):
+    """The README's SLURM script requeues on status 143 (a preempted run, its state saved). A signal in the teardown
+    of a finished fit must not look like one: the requeued job would start a fresh fit, refused by the finished run."""
+    proc = _start(["fit", *tiny_args(tmp_path, CONFIG, "done"), "--trainer.max_steps", "2",
+                   f"--trainer.callbacks+={__name__}.SlowFitEnd"])
+    _wait_for(tmp_path / "done" / "fit_end", proc)
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == 0, out[-2000:] + err[-2000:]
+    assert f"{signal.Signals(signum).name} came after training finished: the run is complete" in err
+    assert not _error_lines(err) and "Traceback" not in err
+    assert not (tmp_path / "done" / "checkpoints" / "interrupted.ckpt").exists()
+    assert torch.load(tmp_path / "done" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 2
+
+
+class SlowSanityCheck(pl.Callback):
+    """Marks the sanity check's first validation batch (the run directory holds its config, no checkpoint yet) in
+    ``<run>/sanity`` and waits there."""
+
+    def on_validation_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0):
+        if trainer.sanity_checking and batch_idx == 0:
+            Path(trainer.default_root_dir, "sanity").write_text("1")
+            time.sleep(3)
+
+
+def test_a_signal_before_training_stops_at_once_and_a_relaunch_is_not_refused(tmp_path):
+    """SIGTERM in the sanity check, where Lightning's own handler only notes it: the process ran on into training
+    and then ended with status 0 (a batch script took the run for finished). It stops at once with 143 now."""
+    args = ["fit", *tiny_args(tmp_path, CONFIG, "early"), "--trainer.max_steps", "2"]
+    proc = _start([*args, f"--trainer.callbacks+={__name__}.SlowSanityCheck"])
+    _wait_for(tmp_path / "early" / "sanity", proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == PREEMPTED_STATUS, out[-2000:] + err[-2000:]  # a batch script requeues it
+    lines = _error_lines(err)
+    assert len(lines) == 1 and "preempted by SIGTERM before training started: nothing to save" in lines[0], err
+    assert "Traceback" not in err
+    assert not (tmp_path / "early").exists() and (tmp_path / "early.failed-1").is_dir()
+    again = _start(args)  # the requeued job: the same fresh launch
+    out, err = again.communicate(timeout=TIMEOUT_S)
+    assert again.returncode == 0, out[-2000:] + err[-2000:]

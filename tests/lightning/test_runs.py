@@ -98,6 +98,47 @@ def test_a_fresh_run_into_an_existing_run_is_refused_and_changes_nothing(tmp_pat
     assert _tree(tmp_path) == before
 
 
+class FailsAtFirstBatch(pl.Callback):
+    """A crash at the first training batch (after the run directory holds its config and logs), before any
+    checkpoint."""
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        raise RuntimeError("this run fails at its first batch")
+
+
+def test_a_fresh_run_that_fails_before_its_first_checkpoint_leaves_nothing_in_the_way(tmp_path, capsys):
+    with pytest.raises(RuntimeError, match="fails at its first batch"):
+        _fit(tmp_path, "r", extra=[f"--trainer.callbacks+={__name__}.FailsAtFirstBatch"])
+    moved = tmp_path / "r.failed-1"  # what the launch wrote, kept and named beside the free run name
+    assert not (tmp_path / "r").exists() and (moved / "config.yaml").is_file() and not list(moved.rglob("*.ckpt"))
+    assert f"moved to {moved}" in capsys.readouterr().err
+    _fit(tmp_path, "r")  # launched again: not refused as a directory that holds a run
+    assert (tmp_path / "r" / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_the_refusal_of_a_fresh_run_names_only_a_checkpoint_that_exists(tmp_path):
+    from deqscore.errors import ConfigError
+    from deqscore.lightning.runs import prepare_fresh_run
+
+    run_dir = tmp_path / "r"  # a run killed before its first checkpoint (kill -9 leaves it so)
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("seed_everything: 0\n")
+    with pytest.raises(ConfigError) as refused:
+        prepare_fresh_run(run_dir, overwrite=False)
+    assert "holds no checkpoint to resume from" in str(refused.value) and ".ckpt" not in str(refused.value)
+    assert "--overwrite_run true" in str(refused.value)
+    (run_dir / "checkpoints").mkdir()
+    last, interrupted = run_dir / "checkpoints" / "last.ckpt", run_dir / "checkpoints" / "interrupted.ckpt"
+    last.write_bytes(b"1")
+    with pytest.raises(ConfigError, match=f"resume it with --ckpt_path {last}"):
+        prepare_fresh_run(run_dir, overwrite=False)
+    interrupted.write_bytes(b"2")  # a preemption after the last regular checkpoint: the newer one resumes
+    os.utime(last, ns=(10**18, 10**18))
+    os.utime(interrupted, ns=(2 * 10**18, 2 * 10**18))
+    with pytest.raises(ConfigError, match=f"resume it with --ckpt_path {interrupted}"):
+        prepare_fresh_run(run_dir, overwrite=False)
+
+
 def test_overwrite_run_moves_the_old_run_aside_whole(tmp_path):
     _fit(tmp_path, "r")
     old = _tree(tmp_path / "r")

@@ -1,10 +1,18 @@
 """The one activation-memory meter: what backward saves counts (under create_graph), a plain backward adds
-nothing, parameters never count, and a measured step leaves the module as it was."""
+nothing, parameters never count, a measured step leaves the module as it was, and on every family's phantom step
+it counts what saved-tensor hooks count (its former way)."""
 
+import functools
+
+import pytest
 import torch
 from torch import nn
 
+from deqscore.deq import DEQ
+from deqscore.families import declarations
 from deqscore.metrics import SavedTensorMeter, step_activation_bytes
+
+PROBES = {name: d.phantom_probe for name, d in declarations().items() if d.phantom_probe}
 
 
 def _loss(lin: nn.Linear, x: torch.Tensor, create_graph: bool) -> torch.Tensor:
@@ -38,3 +46,41 @@ def test_a_measured_step_leaves_gradients_buffers_and_rng_untouched():
     assert saved > 0
     assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), grads, strict=True))
     assert torch.equal(net[1].running_mean, stats) and torch.equal(torch.random.get_rng_state(), state)
+
+
+def _saved_tensor_hook_bytes(step, exclude) -> tuple[int, int]:
+    """An independent count for the comparison below: the distinct storages that saved-tensor hooks see (the
+    meter's former way, which torch.func refuses to run under), parameters excluded, every saved tensor pinned;
+    in all, and without the 0-d tensors of a storage of their own (which the meter leaves out)."""
+    excluded = {(p.untyped_storage().data_ptr(), p.device) for p in exclude}
+    seen, pinned = {}, []
+
+    def pack(t):
+        pinned.append(t)
+        key = (t.untyped_storage().data_ptr(), t.device)
+        if key not in excluded:
+            nbytes = t.untyped_storage().nbytes()
+            seen[key] = (nbytes, seen.get(key, (0, False))[1] or t.dim() > 0 or nbytes > t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return sum(n for n, _ in seen.values()), sum(n for n, counted in seen.values() if counted)
+
+
+@pytest.mark.filterwarnings("ignore:Attribute .net. is an instance")
+@pytest.mark.parametrize("family", PROBES)
+def test_the_meter_counts_what_saved_tensor_hooks_count_on_every_family_phantom_step(family):
+    torch.manual_seed(0)
+    module, loss = PROBES[family](functools.partial(DEQ, backward="phantom", phantom_steps=2, tol=1e-10))
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def step():
+        torch.manual_seed(3)
+        torch.autograd.grad(loss().mean(), params, allow_unused=True)
+
+    with SavedTensorMeter(exclude=params) as meter:
+        step()
+    everything, without_scalars = _saved_tensor_hook_bytes(step, params)
+    assert meter.bytes == without_scalars > 0
+    assert everything - meter.bytes < 1e-2 * everything  # a few 8-byte scalars

@@ -1,13 +1,16 @@
-"""Annealed Langevin dynamics on Gaussian targets, where the stationary law of each discretised chain is known."""
+"""Annealed Langevin dynamics, and Langevin dynamics on one density, on Gaussian targets, where the stationary law of
+each discretised chain is known."""
 
 import math
+from copy import deepcopy
 
 import pytest
 import torch
+from jsonargparse import lazy_instance
 
 from deqscore.errors import ConfigError
-from deqscore.sampling import AnnealedLangevin
-from deqscore.sampling.langevin import REF_NOISE, REF_STEP
+from deqscore.sampling import AnnealedLangevin, Langevin
+from deqscore.sampling.langevin import REF_NOISE, REF_STEP, plain_copy
 
 MU, S0 = 0.5, 0.2  # target N(MU, S0^2 I); perturbed at sigma: N(MU, (S0^2 + sigma^2) I)
 N, D = 4000, 2
@@ -86,3 +89,61 @@ def test_bad_options_name_the_key(kw, key):
 def test_sigmas_must_be_positive_and_strictly_decreasing(sigmas):
     with pytest.raises(ValueError, match="sigmas"):
         _run(AnnealedLangevin(n_steps_each=1, progress=False), sigmas)
+
+
+# ----- Langevin dynamics on one density (energy models) -------------------------------------------------------
+MEAN = torch.tensor([1.0, -2.0], dtype=torch.float64)
+COV = torch.tensor([[2.0, 0.9], [0.9, 1.0]], dtype=torch.float64)
+
+
+def gaussian_log_density(x: torch.Tensor) -> torch.Tensor:
+    """Unnormalised log N(MEAN, COV)."""
+    d = x - MEAN
+    return -0.5 * (d @ torch.linalg.inv(COV) * d).sum(1)
+
+
+def test_metropolis_adjusted_chain_recovers_mean_and_covariance():
+    n = 4000  # independent chains: their end points are i.i.d. draws of the chain's law
+    chain = Langevin(n_steps=300, step_size=0.3, progress=False)
+    x = chain(gaussian_log_density, (n, 2), torch.Generator().manual_seed(0), dtype=torch.float64)
+    var = torch.diagonal(COV)
+    assert (x.mean(0) - MEAN).abs().le(4 * (var / n).sqrt()).all(), x.mean(0)  # 4 standard errors
+    # the standard error of a sample covariance entry of a Gaussian: sqrt((S_ii S_jj + S_ij^2) / n)
+    cov_se = ((var[:, None] * var[None, :] + COV**2) / n).sqrt()
+    assert (torch.cov(x.T) - COV).abs().le(4 * cov_se).all(), torch.cov(x.T)
+    assert 0.5 < chain.acceptance < 1.0  # moves were rejected: the correction did work
+
+
+def test_the_adjustment_removes_the_unadjusted_chains_known_bias():
+    """On N(0, 1) with eps = 0.5 the unadjusted chain's stationary variance is 1 / (1 - eps / 2) = 4/3; MALA's is 1."""
+    n, eps = 4000, 0.5
+    args = (lambda x: -0.5 * x.pow(2).sum(1), (n, 2), torch.Generator().manual_seed(1))
+    unadjusted = Langevin(n_steps=100, step_size=eps, metropolis=False, progress=False)(*args, dtype=torch.float64)
+    adjusted = Langevin(n_steps=100, step_size=eps, progress=False)(*args, dtype=torch.float64)
+    se = math.sqrt(2 / (2 * n))  # of a unit variance estimated from 2n draws
+    assert unadjusted.var().item() == pytest.approx(_ula_variance(1.0, eps), abs=4 * se * 4 / 3)
+    assert adjusted.var().item() == pytest.approx(1.0, abs=4 * se)
+    # a score alone drives the unadjusted chain the same way as the log-density's gradient
+    by_score = Langevin(n_steps=100, step_size=eps, metropolis=False, progress=False)(
+        None, (n, 2), torch.Generator().manual_seed(1), dtype=torch.float64, score=lambda x: -x)
+    assert torch.allclose(by_score, unadjusted)
+
+
+def test_langevin_is_seeded_and_refuses_what_it_cannot_do():
+    run = lambda seed: Langevin(n_steps=5, progress=False)(  # noqa: E731
+        gaussian_log_density, (8, 2), torch.Generator().manual_seed(seed), dtype=torch.float64)
+    assert torch.equal(run(3), run(3)) and not torch.equal(run(3), run(4))
+    with pytest.raises(ConfigError, match="metropolis needs the model's log-density"):
+        Langevin(progress=False)(None, (2, 2), score=lambda x: -x)
+    for option in ({"n_steps": 0}, {"step_size": -0.1}, {"step_size": math.nan}, {"init_std": 0.0}):
+        with pytest.raises(ConfigError, match=next(iter(option))):
+            Langevin(**option)
+
+
+def test_a_default_sampler_becomes_a_plain_copy():
+    default = lazy_instance(Langevin, step_size=0.2)
+    copy = plain_copy(default)
+    assert type(copy) is Langevin and copy is not default and copy.step_size == 0.2 and copy.n_steps == 500
+    assert deepcopy(copy).step_size == 0.2  # what weight averaging does to a module (a lazy instance cannot)
+    given = Langevin(n_steps=3)
+    assert plain_copy(given) is given

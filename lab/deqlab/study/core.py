@@ -1,0 +1,231 @@
+"""The study's machinery, the same for every family: what a family declares (:class:`Family`), one unit of work
+(train one variant at one seed with the protocol's budget, then evaluate it: :func:`run_unit`), and the
+per-variant mean and standard error over seeds (:func:`summarise`).
+
+A unit is recorded as ``<out>/<family>/<group>/<variant>_s<seed>.json`` with the family, group (data set),
+variant, seed, the device and the settings (the protocol's version and SHA-256, budget, iterations, validations,
+evaluation sizes, fit options, extra arguments); a unit already recorded with the same settings is read back and
+not run again (:func:`deqlab.units.recorded`). Image families also leave the unit's sample grid beside it
+(``<variant>_s<seed>.png``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from deqscore.lightning.callbacks import read_metrics_csv
+
+from ..entries import Metric
+from ..units import mean_stderr, recorded
+
+if TYPE_CHECKING:
+    from .protocol import Protocol
+
+ROOT = Path(__file__).resolve().parents[3]
+CURVE_POINTS = 60  # points kept of each training curve in a unit file
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One network of a family: its config (relative to the repository root) and overrides."""
+
+    config: str
+    # "shallow", "deep", "deq", "deq_faithful" (the DEQ with an exact enough training derivative), "deq_reference",
+    # "classical" (another model class) or "untrained"
+    role: str
+    overrides: tuple[str, ...] = ()
+    steps_per_iteration: int = 1  # optimiser steps per training iteration (the implicit VAE: 2 score + 1)
+    trained: bool = True  # False: the network at initialisation, through the same evaluation
+
+
+# (run directory, checkpoint to evaluate, variant, seed, evaluation settings) -> metrics; may leave samples.png
+Evaluate = Callable[[Path, Path, Variant, int, dict], dict]
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a family brings to the study: its code. ``iterations`` is the training length at budget 1; every
+    variant gets the same iterations, fit options and evaluation, which the protocol fixes
+    (:mod:`.protocol`). ``metrics[0]`` is the quality the claim is judged on. ``groups`` are the data sets, each
+    with its fit overrides."""
+
+    name: str
+    title: str
+    setting: str  # the page's description of data, budget and evaluation
+    iterations: int
+    variants: dict[str, Variant]
+    metrics: tuple[Metric, ...]
+    evaluate: Evaluate
+    groups: dict[str, tuple[str, ...]] = field(default_factory=lambda: {"mnist": ()})
+    choices: dict[str, tuple[str, ...]] = field(default_factory=dict)  # the accepted values of a text evaluation key
+    context: str = ""  # a published figure for orientation, and why the study's numbers are not comparable to it
+
+    def iterations_at(self, budget: float) -> int:
+        return max(1, round(self.iterations * budget))
+
+
+def unit_path(out: Path, family: str, group: str, variant: str, seed: int) -> Path:
+    return out / family / group / f"{variant}_s{seed}.json"
+
+
+@dataclass(frozen=True)
+class UnitSettings:
+    """What every unit of one study call shares: the protocol it runs under (recorded as its version and
+    SHA-256), the budget (a fraction of the family's iterations), validations per run, the evaluation, the fit
+    options and extra arguments. A unit recorded with other settings is run again."""
+
+    protocol: Protocol
+    budget: float
+    validations: int
+    evaluation: dict[str, Any]
+    fit: tuple[str, ...] = ()
+    extra: tuple[str, ...] = ()
+
+    def recorded_as(self, family: Family) -> dict[str, Any]:
+        return {"protocol": self.protocol.stamp, "budget": self.budget,
+                "iterations": family.iterations_at(self.budget), "validations": self.validations,
+                "evaluation": self.evaluation, "fit": list(self.fit), "extra": list(self.extra)}
+
+    def hold_for(self, unit: dict[str, Any], family: Family) -> bool:
+        """Whether the recorded ``unit`` ran with these settings, under this protocol or an earlier version that
+        governs it alike (:meth:`.protocol.Protocol.governs`)."""
+        mine = json.loads(json.dumps(self.recorded_as(family)))  # as it reads back (tuples become lists)
+        return self.protocol.governs(unit) and without_protocol(unit["settings"]) == without_protocol(mine)
+
+
+def without_protocol(settings: dict[str, Any]) -> dict[str, Any]:
+    """A unit's settings less the protocol stamp: what units of one table share, whichever version they ran
+    under (the protocol has vouched for each)."""
+    return {key: value for key, value in settings.items() if key != "protocol"}
+
+
+def import_run_code() -> None:
+    """Import now what a unit imports when it runs (the command-line fit and sampling), so that a study of hours runs
+    the code of its start throughout: the checkout edited meanwhile cannot give one process two versions of it."""
+    from deqscore.cli import sample, train  # noqa: F401
+
+
+def run_unit(family: Family, group: str, name: str, seed: int, settings: UnitSettings, runs_root: Path, out: Path,
+             facts: dict[str, Any]) -> dict:
+    """The unit of (``group``, ``name``, ``seed``): read back from its file when recorded with the same settings
+    (under this protocol or an earlier version that governs it alike), else trained, evaluated and recorded with
+    ``facts`` (the device, the code's version)."""
+    path = unit_path(out, family.name, group, name, seed)
+
+    def compute() -> dict:
+        run_dir = runs_root / family.name / group / f"{name}_s{seed}"
+        result = train_and_evaluate(family, group, name, seed, settings, run_dir)
+        grid = run_dir / "samples" / "samples.png"
+        if grid.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(grid, path.with_suffix(".png"))
+        return result
+
+    recorded(path, settings.recorded_as(family), compute, lambda saved: settings.hold_for(saved, family),
+             family=family.name, group=group, variant=name, seed=seed, **facts)
+    return json.loads(path.read_text())  # the unit as recorded: facts, settings and value
+
+
+def train_and_evaluate(family: Family, group: str, name: str, seed: int, settings: UnitSettings, run_dir: Path) -> dict:
+    """``train.py fit`` of one variant at ``seed`` for the budget's iterations (none for an untrained variant),
+    then the family's evaluation of its final weights: the run facts, the curves and the metrics."""
+    from deqscore.cli.train import main as train
+    from deqscore.lightning.runs import move_aside
+
+    warnings.filterwarnings("ignore", "LightningCLI's args parameter is intended")  # CLI calls from Python
+    variant = family.variants[name]
+    if run_dir.exists():  # left by an interrupted unit or one of other settings: kept aside, never written into
+        print(f"moved the earlier run {run_dir} aside to {move_aside(run_dir)}")
+    iterations = family.iterations_at(settings.budget) if variant.trained else 0
+    interval = max(1, iterations // settings.validations)
+    arguments = [f"--seed_everything={seed}", f"--trainer.max_steps={iterations * variant.steps_per_iteration}",
+                 "--trainer.max_epochs=-1", f"--trainer.val_check_interval={interval}",
+                 "--trainer.check_val_every_n_epoch=null", "--trainer.enable_progress_bar=false",
+                 *settings.fit, *family.groups[group], *variant.overrides, *settings.extra]
+    start = time.perf_counter()
+    fit = train(["fit", f"--config={ROOT / variant.config}", f"--run_name={run_dir.name}",
+                 f"--runs_root={run_dir.parent}", *arguments])
+    fit_seconds = time.perf_counter() - start
+    if fit.trainer.global_step != iterations * variant.steps_per_iteration:  # e.g. --extra changed score_updates
+        raise RuntimeError(f"{family.name} {name}: {fit.trainer.global_step} optimiser steps where the budget is "
+                           f"{iterations} iterations of {variant.steps_per_iteration}; the variant's "
+                           "steps_per_iteration does not match its module")
+    checkpoint = run_dir / "checkpoints" / "final.ckpt"  # a family's closing stage (DKEF) ends in final.ckpt
+    if not checkpoint.exists():
+        checkpoint = run_dir / "checkpoints" / "study_last.ckpt"  # the weights at the end of training
+        fit.trainer.save_checkpoint(checkpoint)
+    logged = run_dir / "metrics.csv"  # an untrained run logs nothing
+    series = read_metrics_csv(logged) if logged.exists() else {}
+    metrics = family.evaluate(run_dir, checkpoint, variant, seed, settings.evaluation)
+    trust = metrics.pop("trust", None)
+    if trust is not None:  # the share of training's logged solves that stopped at the layer's cap
+        nstep = [v for _, v in series.get("train/deq/nstep", [])]
+        trust["capped_solves_training"] = sum(v >= trust["max_iter"] for v in nstep) / len(nstep) if nstep else None
+    return {"config": variant.config, "arguments": arguments, "iterations": iterations,
+            "optimiser_steps": fit.trainer.global_step, **run_facts(series),
+            "seconds_per_iteration": fit_seconds / iterations if iterations else None,
+            "evaluated": checkpoint.name, "curves": curves(series), "metrics": metrics, "trust": trust}
+
+
+def run_facts(series: dict[str, list[tuple[int, float]]]) -> dict[str, Any]:
+    """Parameters, activation memory of one training step, and the DEQ solver's statistics over training (mean
+    forward iterations, last relative residual, fraction of IFT backward solves that missed their tolerance);
+    None where the run logged none (an explicit network has no solver)."""
+
+    def last(key: str) -> float | None:
+        return series[key][-1][1] if series.get(key) else None
+
+    nstep = [v for _, v in series.get("train/deq/nstep", [])]
+    parameters = last("run/parameters")
+    return {"parameters": None if parameters is None else int(parameters),
+            "activation_memory_mb": last("run/activation_memory_mb"),
+            "solver_iterations": sum(nstep) / len(nstep) if nstep else None,
+            "solver_rel_residual": last("train/deq/rel_residual"),
+            "ift_backward_failures": last("train/deq/ift_backward_failures")}
+
+
+def curves(series: dict[str, list[tuple[int, float]]]) -> dict[str, list[tuple[int, float]]]:
+    """The training and validation loss against the step, the training one thinned to :data:`CURVE_POINTS`."""
+    out = {}
+    for key in ("train/loss", "val/loss"):
+        points = series.get(key, [])
+        stride = max(1, len(points) // CURVE_POINTS)
+        out[key] = points[::stride]
+    return out
+
+
+def seed_curve(runs: list[dict], key: str) -> dict[int, tuple[float, float | None]]:
+    """The curve ``key`` of trained runs (unit values) at the steps all of them logged: step -> (mean, standard
+    error) over the runs, in step order."""
+    series = [dict(r["curves"].get(key, [])) for r in runs if r["iterations"]]
+    steps = sorted(set.intersection(*(set(s) for s in series))) if series else []
+    return {t: mean_stderr([s[t] for s in series]) for t in steps}
+
+
+def summarise(units: list[dict], keys: list[str]) -> list[dict]:
+    """Per (group, variant), in the order first met: the seeds and the mean and standard error over them of each
+    of ``keys`` (looked up in the unit's metrics, then its run facts); a key a unit lacks is left out."""
+    out = []
+    for group, name in dict.fromkeys((u["group"], u["variant"]) for u in units):
+        runs = [u for u in units if (u["group"], u["variant"]) == (group, name)]
+        summary: dict[str, Any] = {"group": group, "variant": name, "seeds": [u["seed"] for u in runs]}
+        for key in keys:
+            values = [value_of(u, key) for u in runs]
+            values = [v for v in values if v is not None]
+            if values:
+                mean, stderr = mean_stderr(values)
+                summary[key] = {"mean": mean, "stderr": stderr, "n": len(values)}
+        out.append(summary)
+    return out
+
+
+def value_of(unit: dict, key: str) -> Any:
+    value = unit["value"]
+    return value["metrics"].get(key, value.get(key))

@@ -1,0 +1,43 @@
+"""What the families' study evaluations share (each family's own is ``evaluate`` in its laboratory file,
+:mod:`deqlab.families`).
+
+Every evaluation runs through the project's own commands (``train.py test``, ``sample.py``) on the checkpoint
+the unit names, so the study measures what a user of those commands would get. A DEQ's evaluation also measures
+its trust figures on the first test batch (:mod:`.trust`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from deqscore.lightning.run_hooks import batch_inputs
+
+from .trust import trust_figures
+
+GRID = 100  # samples drawn for an image family's grid
+TRUST_BATCH = 128  # test rows of the trust figures
+
+
+def test_metrics(run_dir: Path, checkpoint: Path, options: list[str], keys: tuple[str, ...]) -> dict:
+    """``train.py test`` of ``checkpoint`` in its run: the ``test/<key>`` figures it logged, and for a DEQ the trust
+    figures of the tested weights on the first test batch (``trust``)."""
+    from deqscore.cli.train import main as train
+
+    test = train(["test", f"--config={run_dir / 'config.yaml'}", f"--ckpt_path={checkpoint}", *options])
+    logged = test.trainer.callback_metrics
+    metrics = {key: float(logged[f"test/{key}"]) for key in keys if f"test/{key}" in logged}
+    module = test.model
+    if module.deq_layers():
+        batch = next(iter(test.datamodule.test_dataloader()))
+        x = module.prepare_batch(batch_inputs(batch).to(module.device)[:TRUST_BATCH])
+        metrics["trust"] = trust_figures(module, x)
+    return metrics
+
+
+def draw_samples(checkpoint: Path, out: Path, n: int, seed: int, options: list[str] = ()) -> None:
+    """``sample.py`` of ``checkpoint``: ``n`` samples and their grid (``samples.png``) in ``out``."""
+    from deqscore.cli.sample import main as sample
+
+    if sample(["--checkpoint", str(checkpoint), "--num-samples", str(n), "--out", str(out), "--seed", str(seed),
+               *options]) != 0:
+        raise RuntimeError(f"sample.py failed on {checkpoint}")

@@ -1,0 +1,134 @@
+"""``python -m deqlab study``: the reproduction study's command line (:mod:`deqlab.study`)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import torch
+
+from ..measure import code_version, environment
+from .core import Family, UnitSettings, import_run_code, run_unit
+from .families import families
+from .protocol import Protocol, ProtocolError, load
+from .report import write_page
+
+
+def chosen(parser: argparse.ArgumentParser, key: str, text: str, known: dict | list) -> list[str]:
+    """The comma-separated names of ``text``; an unknown one is a parser error listing ``known``."""
+    names = [v for v in text.split(",") if v]
+    unknown = sorted(set(names) - set(known))
+    if unknown or not names:
+        parser.error(f"{key}: unknown {unknown or text!r}; choose from {', '.join(known)}")
+    return names
+
+
+def evaluation_of(parser: argparse.ArgumentParser, protocol: Protocol, family: Family, pairs: list[str]) -> dict:
+    """The protocol's evaluation sizes of ``family`` with the ``key=value`` changes of ``--set`` that name one."""
+    known = sorted({k for f in families() for k in protocol.family(f)["evaluation"]})
+    evaluation = dict(protocol.family(family.name)["evaluation"])
+    for pair in pairs:
+        key, equals, value = pair.partition("=")
+        if key not in known or not equals:
+            parser.error(f"--set {pair}: expected KEY=VALUE with KEY one of {', '.join(known)}")
+        if key in evaluation:
+            try:
+                evaluation[key] = type(evaluation[key])(value)
+            except ValueError:
+                parser.error(f"--set {pair}: {key} takes a {type(evaluation[key]).__name__}, got {value!r}")
+            accepted = family.choices.get(key)
+            if accepted is not None and evaluation[key] not in accepted:
+                parser.error(f"--set {pair}: {key} takes one of {', '.join(accepted)}")
+    return evaluation
+
+
+# (family, groups, the seeds of each variant to run, the settings its units share)
+Plan = list[tuple[Family, list[str], dict[str, list[int]], UnitSettings]]
+
+
+def seeds_of(parser: argparse.ArgumentParser, text: str) -> list[int] | None:
+    """``--seeds``: comma-separated integers; None when not given (the protocol's)."""
+    if text is None:
+        return None
+    try:
+        seeds = [int(s) for s in text.split(",") if s]
+    except ValueError:
+        seeds = []
+    if not seeds:
+        parser.error(f"--seeds takes comma-separated integers, got {text!r}")
+    return seeds
+
+
+def plan_of(parser: argparse.ArgumentParser, args: argparse.Namespace, protocol: Protocol) -> Plan:
+    """What to run, every option checked before anything runs (an error names the option and the choices)."""
+    declared = families()
+    names = list(declared) if args.family == "all" else (
+        chosen(parser, "--family", args.family, declared) if args.family else [])
+    if args.budget is not None and not (math.isfinite(args.budget) and args.budget > 0):
+        parser.error(f"--budget: a positive fraction of the default, got {args.budget}")
+    seeds = seeds_of(parser, args.seeds)
+    plan = []
+    for name in names:
+        family, entry = declared[name], protocol.family(name)
+        variants = chosen(parser, "--variants", args.variants, family.variants) if args.variants else \
+            [v for v in family.variants if protocol.seeds(name, v)]
+        groups = chosen(parser, "--groups", args.groups, family.groups) if args.groups else list(family.groups)
+        settings = UnitSettings(protocol, args.budget if args.budget is not None else entry["budget"],
+                                protocol.validations, evaluation_of(parser, protocol, family, args.set),
+                                tuple(entry["fit"]), tuple(args.extra))
+        plan.append((family, groups, {v: seeds or protocol.seeds(name, v) for v in variants}, settings))
+    return plan
+
+
+def units_in_order(groups: list[str], seeds: dict[str, list[int]]) -> list[tuple[str, str, int]]:
+    """(group, variant, seed) group by group, seed by seed, each seed's variants in order."""
+    return [(group, variant, seed) for group in groups for seed in sorted({s for v in seeds.values() for s in v})
+            for variant, chosen_seeds in seeds.items() if seed in chosen_seeds]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--family", default="", help=f"comma-separated, from {', '.join(families())}, or 'all'")
+    parser.add_argument("--protocol", default=None, help="protocol file (default: the newest in benchmarks/protocol)")
+    parser.add_argument("--seeds", default=None, help="comma-separated seeds of every variant (default: the "
+                                                       "protocol's, per variant)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="fraction of each family's default iterations (default: the protocol's)")
+    parser.add_argument("--variants", default="", help="comma-separated (default: the protocol's)")
+    parser.add_argument("--groups", default="", help="data sets (DKEF: redwine, whitewine, parkinsons)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an evaluation size")
+    parser.add_argument("--runs-root", default="checkpoints/study")
+    parser.add_argument("--out", default="benchmarks/results/study")
+    parser.add_argument("--report", action="store_true", help="write --page from the unit files under --out")
+    parser.add_argument("--page", default="docs/results.md")
+    parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="arguments passed to every fit")
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, list[dict]]:
+    """Run the units ``args`` asks for (and write the page with ``--report``); a usage mistake is ``parser``'s
+    one-line error."""
+    if not args.family and not args.report:
+        parser.error("--family: name the families to run (or 'all'), or give --report")
+    if not args.family and not any(Path(args.out).glob("*/*/*.json")):  # a mistyped --out must not empty the page
+        parser.error(f"--out {args.out}: no unit files (<family>/<data>/<variant>_s<seed>.json) to report on; "
+                     f"name the folder the study wrote")
+    try:
+        protocol = load(args.protocol)
+    except ProtocolError as err:
+        parser.error(str(err))
+    plan = plan_of(parser, args, protocol)
+    out = Path(args.out)
+    if plan:
+        import_run_code()
+    facts = {"device": environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))["device"],
+             "code": code_version()}
+    results = {
+        family.name: [run_unit(family, group, variant, seed, settings, Path(args.runs_root), out, facts)
+                      for group, variant, seed in units_in_order(groups, seeds)]
+        for family, groups, seeds, settings in plan}
+    if args.report:
+        try:
+            print(write_page(out, Path(args.page), list(families().values()), protocol))
+        except ProtocolError as err:
+            parser.error(str(err))
+    return results

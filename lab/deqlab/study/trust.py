@@ -1,0 +1,154 @@
+"""Trust figures of a trained DEQ: does the network compute the function the method assumes?
+
+The method trains through K phantom steps from the fixed point; their derivative is the K-term Neumann truncation
+of the implicit one, good when the map contracts fast at the fixed point and poor when it does not. A DEQ trained
+past its contraction computes a different score from the one its loss assumes. Measured on the final weights and
+one test batch (:func:`trust_figures`):
+
+* ``contraction``: the spectral radius of the map's Jacobian ``J = d f / d z`` at the fixed point, by power
+  iteration on ``J`` (Jacobian-vector products by the double-backward trick), the largest over the batch's
+  samples; ``neumann_remainder`` is ``contraction ** K``, the share of the Neumann series the K steps leave out;
+* ``derivative_rel_error``: the relative error of the layer's vector-Jacobian product with respect to its input
+  (the way a score reaches ``x`` through the layer) from the phantom steps, against the implicit derivative
+  solved to 1e-10;
+* ``objective_rel_error`` and ``gradient_rel_error``: the training objective's value and its parameter gradient
+  as trained (phantom) against the same with every layer unrolled (the exact derivative of the converged solve,
+  with a tighter tolerance), under the same random draws: for a score-matching loss this includes the trace term;
+* ``capped_solves``: the share of this batch's forward solves that stopped at ``max_iter`` unconverged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from deqscore.deq import DEQ, deq_backward
+
+POWER_ITERATIONS = 50
+IMPLICIT_TOL = 1e-10  # relative change of the implicit backward solve
+IMPLICIT_MAX_ITER = 2000
+UNROLL_TOL_FACTOR = 0.1  # the unrolled solve's tolerance against the layer's own (float32 allows little tighter)
+UNROLL_MIN_ITER = 400  # the unrolled solve's iteration cap, at least
+
+
+def relative_error(approx: list[torch.Tensor | None], exact: list[torch.Tensor | None]) -> float:
+    """``|approx - exact| / |exact|`` over matching tensors (a missing one counts as zeros)."""
+    num = den = 0.0
+    for a, e in zip(approx, exact, strict=True):
+        if e is None:
+            continue
+        a = torch.zeros_like(e) if a is None else a
+        num += float((a - e).pow(2).sum())
+        den += float(e.pow(2).sum())
+    return (num / den) ** 0.5 if den > 0 else float("nan")
+
+
+def spectral_radius(layer: DEQ, z: torch.Tensor, u: torch.Tensor, iterations: int = POWER_ITERATIONS,
+                    seed: int = 0) -> torch.Tensor:
+    """Per sample, the spectral radius of ``d func / d z`` at ``z`` by power iteration (``|J^k v| / |J^(k-1) v|``
+    after ``iterations`` steps); the map must not mix samples (true of every family's map)."""
+    z = z.detach().requires_grad_(True)
+    with torch.enable_grad():
+        fz = layer.func(z, u.detach())
+        w = torch.zeros_like(fz, requires_grad=True)
+        (jt_w,) = torch.autograd.grad(fz, z, w, create_graph=True)  # linear in w: its w-derivative is J
+        gen = torch.Generator(device=z.device).manual_seed(seed)
+        v = torch.randn(z.shape, generator=gen, device=z.device, dtype=z.dtype)
+        rate = torch.zeros(z.shape[0], device=z.device, dtype=z.dtype)
+        for _ in range(iterations):
+            v = v / v.flatten(1).norm(dim=1).clamp_min(1e-30).view(-1, *[1] * (v.dim() - 1))
+            (jv,) = torch.autograd.grad(jt_w, w, v, retain_graph=True)
+            rate = jv.flatten(1).norm(dim=1)
+            v = jv
+    return rate.detach()
+
+
+def derivative_error(layer: DEQ, z: torch.Tensor, u: torch.Tensor, seed: int = 0) -> float:
+    """Relative error of ``w^T dz*/du`` through the layer's phantom steps against the implicit derivative
+    ``(d func / d u)^T g`` with ``g = w + J^T g`` solved to :data:`IMPLICIT_TOL`."""
+    gen = torch.Generator(device=z.device).manual_seed(seed)
+    w = torch.randn(z.shape, generator=gen, device=z.device, dtype=z.dtype)
+    with torch.enable_grad():
+        u_in = u.detach().requires_grad_(True)
+        (phantom,) = torch.autograd.grad(layer(u_in, z0=z.detach()), u_in, w)
+        z_in = z.detach().requires_grad_(True)
+        fz = layer.func(z_in, u_in)
+        g = w
+        for _ in range(IMPLICIT_MAX_ITER):
+            (jt_g,) = torch.autograd.grad(fz, z_in, g, retain_graph=True)
+            g_new = w + jt_g
+            done = float((g_new - g).norm()) <= IMPLICIT_TOL * float(g_new.norm())
+            g = g_new
+            if done:
+                break
+        (exact,) = torch.autograd.grad(fz, u_in, g)
+    return relative_error([phantom], [exact])
+
+
+@contextmanager
+def captured_solves(layers: list[DEQ]) -> Iterator[list[tuple[DEQ, torch.Tensor, torch.Tensor, bool]]]:
+    """Every forward of ``layers`` inside the block: (layer, input, fixed point, converged)."""
+    seen: list[tuple[DEQ, torch.Tensor, torch.Tensor, bool]] = []
+
+    def hook(layer, inputs, output):
+        seen.append((layer, inputs[0].detach(), output.detach(), bool(layer.stats.converged)))
+
+    handles = [layer.register_forward_hook(hook) for layer in layers]
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def tighter_solves(layers: list[DEQ]) -> Iterator[None]:
+    """The layers' tolerances times :data:`UNROLL_TOL_FACTOR` and caps of at least :data:`UNROLL_MIN_ITER`."""
+    saved = [(layer.tol, layer.max_iter, layer.warn_on_nonconvergence) for layer in layers]
+    for layer in layers:
+        layer.tol, layer.max_iter = layer.tol * UNROLL_TOL_FACTOR, max(layer.max_iter, UNROLL_MIN_ITER)
+        layer.warn_on_nonconvergence = False
+    try:
+        yield
+    finally:
+        for layer, (tol, max_iter, warn) in zip(layers, saved, strict=True):
+            layer.tol, layer.max_iter, layer.warn_on_nonconvergence = tol, max_iter, warn
+
+
+def trust_figures(module, x: torch.Tensor, seed: int = 0) -> dict | None:
+    """The figures of the module docstring for a :class:`~deqscore.lightning.ScoreModule` on batch ``x`` (already
+    prepared); None for a module without a DEQ layer. The objective is the module's ``deq_objective`` term."""
+    layers = module.deq_layers()
+    if not layers:
+        return None
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def objective() -> tuple[torch.Tensor, tuple]:
+        torch.manual_seed(seed)
+        with torch.enable_grad():
+            value = module.loss_terms(x)[module.deq_objective]
+            grads = torch.autograd.grad(value, params, allow_unused=True)
+        return value.detach(), grads
+
+    with captured_solves(layers) as solves:
+        value, grads = objective()
+    with deq_backward(module, "unroll"), tighter_solves(layers):
+        exact_value, exact_grads = objective()
+        exact_converged = all(bool(layer.stats.converged) for layer in layers)
+    radius = torch.cat([spectral_radius(layer, z, u, seed=seed) for layer, u, z, _ in solves])
+    steps = max(layer.phantom_steps for layer in layers)
+    contraction = float(radius.max())
+    return {
+        "contraction": contraction,
+        "contraction_median": float(radius.median()),
+        "phantom_steps": steps,
+        "neumann_remainder": contraction**steps,
+        "derivative_rel_error": max(derivative_error(layer, z, u, seed) for layer, u, z, _ in solves),
+        "objective_rel_error": abs(float(value - exact_value)) / max(abs(float(exact_value)), 1e-30),
+        "gradient_rel_error": relative_error(list(grads), list(exact_grads)),
+        "exact_converged": exact_converged,
+        "capped_solves": sum(not converged for *_, converged in solves) / len(solves),
+        "max_iter": max(layer.max_iter for layer in layers),
+    }

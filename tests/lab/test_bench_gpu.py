@@ -1,0 +1,119 @@
+"""``python -m deqlab gpu``: the one-line refusal without CUDA, the quick CPU run's rows and files, and the
+KID standard error on feature sets whose answer is known. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+import torch
+
+from deqlab import gpu, main
+from deqlab.gpu_images import IMAGE_FAMILIES, score
+from deqlab.gpu_steps import family_entries, ratio_row
+from deqscore.families import declarations
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: False)
+        doc = main(["gpu", "--quick", "--out", str(out)])
+    return out, doc
+
+
+def test_without_cuda_it_stops_with_one_line(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        main(["gpu", "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "CUDA" in err
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_quick_run_writes_the_report_and_grids(quick_run):
+    out, doc = quick_run
+    assert json.loads((out / "gpu.json").read_text())["sections"].keys() == {"steps", "images"}
+    md = (out / "gpu.md").read_text()
+    assert "# deqscore GPU benchmark" in md and "device" in doc["header"]
+    assert set(doc["header"]["stage seconds"]) == {"steps", "images"}
+    for row in doc["sections"]["images"]["rows"]:
+        assert (out / row["grid"]).stat().st_size > 0
+
+
+def _is_outcome(value: object) -> bool:
+    """A measured number, or a one-line reason why not."""
+    if isinstance(value, str):
+        return value.startswith(("failed: ", "skipped: ")) and "\n" not in value
+    return isinstance(value, float) and math.isfinite(value) and value > 0
+
+
+def test_step_rows_cover_every_family_with_both_networks_and_ratios(quick_run):
+    _, doc = quick_run
+    rows = doc["sections"]["steps"]["rows"]
+    families = [name for name, _, _ in family_entries()]
+    assert {"nice", "dkef", "vae", "ncsn"} <= set(families)
+    for family in families:
+        mine = {r["network"]: r for r in rows if r["family"] == family}
+        assert set(mine) == {"explicit", "DEQ", "ratio DEQ / explicit"}
+        for network in ("explicit", "DEQ"):
+            assert isinstance(mine[network]["eager_ms"], float) and mine[network]["eager_ms"] > 0
+            assert _is_outcome(mine[network]["compiled_ms"])
+            assert mine[network]["params"] > 0
+        assert mine["ratio DEQ / explicit"]["params"] == (
+            f"{mine['DEQ']['params'] / mine['explicit']['params']:.3f}x")
+
+
+def test_image_rows_train_sample_and_score_each_registered_family(quick_run):
+    _, doc = quick_run
+    table = doc["sections"]["images"]
+    plan = gpu.IMAGES["quick"]
+    known = declarations()
+    for family in IMAGE_FAMILIES:
+        rows = [r for r in table["rows"] if r["family"] == family.name]
+        if family.name not in known:
+            assert not rows and f"{family.name}: not a registered family here, skipped." in table["notes"]
+            continue
+        assert [r["network"] for r in rows] == ["untrained explicit (control)", "explicit", "DEQ"]
+        for row in rows:
+            assert row["samples"] == plan.samples and row["evaluations"] > 0
+            assert 0 <= row["pixel_mean"] <= row["pixel_max_mean"] <= 1
+        for row in rows[1:]:
+            assert 1 <= row["steps"] <= plan.max_steps
+            assert "digits" in row or row.get("kid") is None  # judged wherever the control was scored
+
+
+def test_kid_and_its_standard_error_on_known_distributions():
+    gen = torch.Generator().manual_seed(0)
+    same_a, same_b = torch.randn(500, 16, generator=gen), torch.randn(500, 16, generator=gen)
+    shifted = torch.randn(500, 16, generator=gen) + 1.0
+    null = score(same_a, same_b, seed=0, fid=False)
+    apart = score(shifted, same_b, seed=0, fid=False)
+    assert abs(null["kid"]) < 4 * null["kid_se"] + 1e-3  # equal distributions: KID is unbiased, about 0
+    assert apart["kid"] > 10 * apart["kid_se"] > 0  # a unit shift in every coordinate: clearly positive
+    assert "fid" not in null and score(same_a, same_b, seed=0)["fid"] >= 0
+
+
+def test_kid_standard_error_is_the_spread_of_kid_over_independent_draws_or_a_little_more():
+    """The standard error (of the mean of disjoint-block KIDs) against the spread of KID itself over 20 independent
+    pairs of equal distributions: at least that spread (never over-confident), within 2.5x (here about 1.6x: the
+    all-pairs KID varies less than the block mean)."""
+    gen = torch.Generator().manual_seed(0)
+    kids, errors = [], []
+    for seed in range(20):
+        result = score(torch.randn(200, 8, generator=gen), torch.randn(200, 8, generator=gen), seed=seed, fid=False)
+        kids.append(result["kid"])
+        errors.append(result["kid_se"])
+    ratio = statistics.mean(errors) / statistics.stdev(kids)
+    assert 1.0 <= ratio <= 2.5
+
+
+def test_ratio_row_divides_numbers_and_leaves_failures_out():
+    explicit = {"family": "f", "params": 10, "eager_ms": 2.0, "compiled_ms": "failed: x"}
+    deq = {"family": "f", "params": 5, "eager_ms": 3.0, "compiled_ms": 1.0}
+    row = ratio_row(explicit, deq)
+    assert row["params"] == "0.500x" and row["eager_ms"] == "1.500x" and row["compiled_ms"] is None

@@ -1,0 +1,184 @@
+"""The study's judgement: the Student t distribution against tabulated values, the non-inferiority rule on known
+cases and by simulation against the rule it replaced, the protocol-version check, and the DEQ trust figures against
+closed forms of a linear map."""
+
+import json
+import math
+import random
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+from deqlab.study import protocol as protocol_module
+from deqlab.study.trust import derivative_error, spectral_radius, trust_figures
+from deqlab.study.verdict import incomplete_beta, non_inferiority, seeds_needed, t_cdf, t_quantile
+from deqscore.deq import DEQ
+
+# (p, degrees of freedom, quantile) from standard t tables
+T_TABLE = [(0.95, 1, 6.313752), (0.95, 2, 2.919986), (0.95, 4, 2.131847), (0.95, 8, 1.859548),
+           (0.975, 10, 2.228139), (0.8, 3, 0.978472), (0.99, 30, 2.457262), (0.95, 1e7, 1.644854)]
+
+
+@pytest.mark.parametrize("p, nu, quantile", T_TABLE)
+def test_t_quantiles_match_the_tables(p, nu, quantile):
+    assert t_quantile(p, nu) == pytest.approx(quantile, abs=2e-6)
+    assert t_cdf(quantile, nu) == pytest.approx(p, abs=1e-6)
+    assert t_quantile(1 - p, nu) == pytest.approx(-quantile, abs=2e-6)
+
+
+def test_incomplete_beta_closed_forms():
+    for x in (0.1, 0.5, 0.93):
+        assert incomplete_beta(1.0, 1.0, x) == pytest.approx(x, abs=1e-12)  # uniform
+        assert incomplete_beta(2.0, 1.0, x) == pytest.approx(x**2, abs=1e-12)
+        assert incomplete_beta(0.5, 0.5, x) == pytest.approx(2 / math.pi * math.asin(math.sqrt(x)), abs=1e-10)
+
+
+def test_t_cdf_at_one_degree_of_freedom_is_the_cauchy():
+    for t in (-3.0, -0.4, 0.0, 1.7, 25.0):
+        assert t_cdf(t, 1.0) == pytest.approx(0.5 + math.atan(t) / math.pi, abs=1e-10)
+
+
+def test_the_three_verdicts_and_their_bounds():
+    """Lower is better (bits/dim): the DEQ's d is the shallow mean minus its own."""
+    shallow = [5.0, 5.2, 5.4]  # sd 0.2
+    holds = non_inferiority([5.0, 5.1, 5.2], shallow, margin=0.5, higher_is_better=False)
+    se = math.sqrt(0.2**2 / 3 + 0.1**2 / 3)
+    df = se**4 / ((0.04 / 3) ** 2 / 2 + (0.01 / 3) ** 2 / 2)  # Welch-Satterthwaite by hand
+    assert holds.d == pytest.approx(0.1) and holds.se == pytest.approx(se) and holds.df == pytest.approx(df)
+    assert holds.lower == pytest.approx(0.1 - t_quantile(0.95, df) * se)
+    assert holds.verdict == "holds" and holds.supported_margin == pytest.approx(-holds.lower)
+    fails = non_inferiority([6.0, 6.1, 6.2], shallow, margin=0.5, higher_is_better=False)
+    assert fails.upper < -0.5 and fails.verdict == "fails" and fails.seeds_needed is None
+    unsure = non_inferiority([5.3, 5.6, 5.9], shallow, margin=0.5, higher_is_better=False)
+    assert unsure.lower < -0.5 < unsure.upper and unsure.verdict == "inconclusive" and unsure.seeds_needed > 3
+    # higher is better flips the sign
+    assert non_inferiority([2.0, 2.1], [1.0, 1.1], 0.1, higher_is_better=True).d == pytest.approx(1.0)
+    assert non_inferiority([2.0], [1.0, 1.1], 0.1, True) is None  # one seed: no test
+
+
+def test_seeds_needed_reaches_the_power_it_promises():
+    """At the returned n, the test holds with probability about 0.8 when the two are equal (simulated), and not at
+    n - 1 by the same formula."""
+    sd, margin = 0.1, 0.15
+    n = seeds_needed(sd, sd, margin)
+    rng = random.Random(0)
+    trials = 1500
+    held = sum(non_inferiority([rng.gauss(0, sd) for _ in range(n)], [rng.gauss(0, sd) for _ in range(n)], margin,
+                               True).verdict == "holds" for _ in range(trials))
+    assert 0.75 < held / trials < 0.9
+    assert seeds_needed(sd, sd, margin / 2) > n  # a tighter margin needs more seeds
+
+
+def test_noise_no_longer_passes():
+    """The DEQ truly worse by 0.1 with noisy seeds (sd 0.5): v1's rule ('better, or worse by less than one standard
+    error') said 'holds' most of the time; the non-inferiority test at margin 0.05 says so about 5 % of the time at
+    most, and is mostly inconclusive."""
+    rng = random.Random(1)
+    old = new = inconclusive = 0
+    trials = 2000
+    for _ in range(trials):
+        deq, shallow = [rng.gauss(-0.1, 0.5) for _ in range(3)], [rng.gauss(0.0, 0.5) for _ in range(3)]
+        d = sum(deq) / 3 - sum(shallow) / 3
+        se = math.sqrt(sum((v - sum(deq) / 3) ** 2 for v in deq) / 6 + sum((v - sum(shallow) / 3) ** 2
+                                                                             for v in shallow) / 6)
+        old += d >= 0 or d >= -se
+        test = non_inferiority(deq, shallow, 0.05, True)
+        new += test.verdict == "holds"
+        inconclusive += test.verdict == "inconclusive"
+    assert old / trials > 0.6 and new / trials < 0.06 and inconclusive / trials > 0.9
+
+
+# -------------------------------------------------------------------------------------------------- protocol
+def test_a_protocol_names_its_version_and_refuses_foreign_units(tmp_path):
+    protocol = protocol_module.load()
+    assert protocol.path == protocol_module.newest() and protocol.path.name == f"v{protocol.version}.json"
+    unit = {"family": "nice", "group": "mnist", "variant": "deq", "seed": 0, "settings": {"protocol": protocol.stamp}}
+    protocol_module.check_units(protocol, [unit])
+    edited = unit | {"settings": {"protocol": {"version": protocol.version, "sha256": "0" * 64}}}
+    with pytest.raises(protocol_module.ProtocolError, match=f"not recorded under protocol v{protocol.version}"):
+        protocol_module.check_units(protocol, [unit, edited])
+    with pytest.raises(protocol_module.ProtocolError, match="no protocol"):
+        protocol_module.check_units(protocol, [unit | {"settings": {}}])
+    renamed = tmp_path / f"v{protocol.version + 1}.json"
+    shutil.copyfile(protocol.path, renamed)
+    misnamed = f"holds version {protocol.version}; a protocol is named v<version>.json"
+    with pytest.raises(protocol_module.ProtocolError, match=misnamed):
+        protocol_module.load(renamed)
+    assert protocol_module.newest(tmp_path) == renamed
+    later = json.loads(protocol.path.read_text()) | {"version": protocol.version + 1}
+    renamed.write_text(json.dumps(later))
+    assert protocol_module.load(renamed).stamp != protocol.stamp
+
+
+def test_the_protocol_covers_every_family_and_variant():
+    from deqlab.study.families import families
+
+    protocol = protocol_module.load()
+    for name, family in families().items():
+        entry = protocol.family(name)
+        assert entry["metric"] == family.metrics[0].key
+        assert entry["higher_is_better"] == family.metrics[0].higher_is_better
+        assert set(entry["seeds"]) <= set(family.variants)
+        assert {"shallow", "deq"} <= {family.variants[v].role for v in entry["seeds"]}
+        assert protocol.seeds(name, "explicit") == list(range(5)) and protocol.seeds(name, "deq") == list(range(5))
+    assert protocol.margin("ncsn", 0.4) == pytest.approx(0.04) and protocol.margin("nice") == 0.05
+
+
+# ----------------------------------------------------------------------------------------------------- trust
+class ScaledMap(nn.Module):
+    """``f(z, u) = a z + u``: the Jacobian is ``a I``, the implicit derivative ``1 / (1 - a)``."""
+
+    def __init__(self, a: float):
+        super().__init__()
+        self.a = a
+
+    def forward(self, z, u):
+        return self.a * z + u
+
+
+class LinearModule(nn.Module):
+    """A stand-in for a ScoreModule: ``loss = mean |DEQ(lin(x))|^2`` with the scaled map."""
+
+    deq_objective = "loss"
+
+    def __init__(self, a: float, steps: int):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.deq = DEQ(ScaledMap(a), solver="picard", tol=1e-12, max_iter=2000, phantom_steps=steps)
+
+    def deq_layers(self):
+        return [self.deq]
+
+    def loss_terms(self, x):
+        return {"loss": self.deq(self.lin(x)).pow(2).sum(1).mean()}
+
+
+@pytest.mark.parametrize("a, steps", [(0.5, 2), (0.8, 3), (0.3, 8)])
+def test_trust_figures_of_a_linear_map_are_its_closed_forms(a, steps):
+    torch.manual_seed(0)
+    module = LinearModule(a, steps).double()
+    x = torch.randn(6, 3, dtype=torch.float64)
+    figures = trust_figures(module, x)
+    # K phantom steps from the fixed point give sum_{k<K} a^k of 1 / (1 - a): relative error a^K
+    assert figures["contraction"] == pytest.approx(a, rel=1e-9)
+    assert figures["neumann_remainder"] == pytest.approx(a**steps, rel=1e-8)
+    assert figures["derivative_rel_error"] == pytest.approx(a**steps, rel=1e-6)
+    assert figures["gradient_rel_error"] == pytest.approx(a**steps, rel=1e-6)
+    assert figures["objective_rel_error"] < 1e-9  # the value is the fixed point's either way
+    assert figures["capped_solves"] == 0.0 and figures["exact_converged"]
+
+
+def test_power_iteration_finds_the_largest_eigenvalue_per_sample():
+    layer = DEQ(ScaledMap(0.0))
+    weights = torch.tensor([[0.2, 0.9, 0.1], [0.5, 0.4, 0.45]])
+
+    class Diagonal(nn.Module):
+        def forward(self, z, u):
+            return weights * z + u
+
+    layer.func = Diagonal()
+    z = torch.zeros(2, 3)
+    assert spectral_radius(layer, z, z, iterations=200).tolist() == pytest.approx([0.9, 0.5], rel=1e-3)
+    assert derivative_error(layer, z, z) > 0.1  # two steps on a 0.9 contraction miss much of the series
