@@ -15,6 +15,7 @@ from ..lightning import family_registry
 from ..lightning.base import CODEC_KEY, FAMILY_KEY, CheckpointFamilyError
 from ..lightning.checkpoint import read_checkpoint
 from ..lightning.runs import checkpoint_run_dir
+from ..privates import CLASS_PATH_KEY
 from .errors import usage_error
 
 
@@ -102,8 +103,8 @@ def checkpoint_conflicts(ckpt: dict[str, Any], cfg: Namespace) -> list[str]:
     saved = ckpt.get("hyper_parameters") or {}
     model = cfg.model.as_dict() if isinstance(cfg.model, Namespace) else dict(cfg.model)
     conflicts = []
-    if "_class_path" in saved:
-        conflicts += differences(saved["_class_path"], model.get("class_path"), "model.class_path")
+    if CLASS_PATH_KEY in saved:
+        conflicts += differences(saved[CLASS_PATH_KEY], model.get("class_path"), "model.class_path")
         conflicts += differences(saved.get("net"), model.get("init_args", {}).get("net"), "model.init_args.net")
     codec = ckpt.get(CODEC_KEY)
     data = cfg.get("data")

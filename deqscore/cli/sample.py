@@ -45,6 +45,7 @@ import torch
 from ..errors import ConfigError
 from ..lightning import CheckpointFamilyError, ScoreModule, load_module
 from ..metrics.memory import peak_tensor_bytes
+from ..sampling.cost import counting_cost
 from ..sampling.plots import save_point_plot
 from ..sampling.stream import GRID_SIZE, OutputError, check_output_dir, stream_samples
 from .errors import OneLineParser, print_error, usage_error
@@ -300,9 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:  # e.g. a model that cannot draw
         usage_error(f"--checkpoint: {one_line(err)}")
     torch.manual_seed(args.seed)
+    net = getattr(module, "net", None)
     try:
-        files = stream_samples(draw, args.num_samples, args.out, batch_size=args.batch_size, picture=picture,
-                               picture_size=PLOT_POINTS)
+        with counting_cost(net if isinstance(net, torch.nn.Module) else torch.nn.Module()) as cost:
+            files = stream_samples(draw, args.num_samples, args.out, batch_size=args.batch_size, picture=picture,
+                                   picture_size=PLOT_POINTS)
     except (ConfigError, NotImplementedError) as err:  # a model that cannot draw: raised at once, nothing written
         usage_error(f"--checkpoint: {one_line(err)}")
     except (MemoryError, RuntimeError) as err:
@@ -322,9 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"wrote {files.shape[0]} samples {list(files.shape[1:])} of the {module.family!r} model to "
               f"{files.array} and a grid of the first {min(files.shape[0], GRID_SIZE)} to {files.grid}")
-    cost = getattr(module, "sampling_report", None)  # a family's sampler cost (EDM: evaluations, DEQ iterations)
-    if cost is not None and cost():
-        print(cost())
+    if cost.evaluations:
+        batches = -(-files.shape[0] // args.batch_size)  # stream_samples draws full batches and one remainder
+        print(f"sampling cost: {cost.describe(batches)}")
     report_path = Path(args.out) / REPORT_NAME
     if fid is not None:
         try:

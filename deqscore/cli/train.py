@@ -10,7 +10,6 @@ grids and learning curves. Resuming needs only that directory::
 from __future__ import annotations
 
 import gc
-import importlib
 import importlib.util
 import inspect
 import math
@@ -19,14 +18,13 @@ import re
 import signal
 import sys
 import warnings
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from jsonargparse import Namespace
 from pytorch_lightning import Trainer
 from pytorch_lightning.callbacks import ModelCheckpoint
-from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
+from pytorch_lightning.cli import LightningArgumentParser
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.utilities import rank_zero_info
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
@@ -53,6 +51,7 @@ from ..lightning.runs import (
     run_id,
     truncate_log_after,
 )
+from ..privates import LightningCLIHooks, set_process_group_timeout
 from .checkpoints import check_checkpoint, checkpoint_conflicts, place_in_checkpoint_run
 from .errors import UsageError, print_error, usage_error
 from .parser_errors import DeqscoreArgumentParser
@@ -127,7 +126,7 @@ def compose_config_files(argv: list[str]) -> list[str]:
     return out
 
 
-class DeqscoreCLI(LightningCLI):
+class DeqscoreCLI(LightningCLIHooks):
     """LightningCLI with a run name/directory and gradients enabled in evaluation."""
 
     def __init__(self, *args, stop_signals: StopSignals | None = None, **kwargs):
@@ -149,8 +148,8 @@ class DeqscoreCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
-        except Exception as err:  # jsonargparse may wrap a constructor's error; report a deqscore one as one line
-            known = next((e for e in _chain(err) if isinstance(e, USAGE_ERRORS)), None) or self._data_error(str(err))
+        except Exception as err:  # jsonargparse wraps a constructor's error as the cause of its own; one line
+            known = next((e for e in _chain(err) if isinstance(e, USAGE_ERRORS)), None)
             if known is None:
                 raise  # unexpected: keeps its traceback
             option = self._option_named_by(str(known))
@@ -187,23 +186,7 @@ class DeqscoreCLI(LightningCLI):
         quoted = (o for o, _, value in options if isinstance(value, str) and len(value) > 2 and value in message)
         return next(quoted, None)
 
-    def _data_error(self, message: str) -> Exception | None:
-        """A deqscore error of the data module's constructor that jsonargparse reported only as text (a failed Union
-        subtype): the data module is built again here to get the error itself. None for any other error."""
-        cfg = self._subcommand_config()
-        data = cfg.get("data")
-        if not isinstance(data, Namespace) or f"class_path='{data.class_path}'" not in message:
-            return None
-        module, _, name = data.class_path.rpartition(".")
-        try:
-            getattr(importlib.import_module(module), name)(**self._groups().get("data", {}))
-        except USAGE_ERRORS as err:
-            return err
-        except Exception:
-            return None
-        return None
-
-    def _parse_ckpt_path(self) -> None:
+    def read_ckpt_path(self) -> None:
         # Lightning would replace the config's model options by the checkpoint's hyper-parameters. Here what the
         # user gave wins; options that would change the checkpointed model itself are refused instead.
         cfg = self._subcommand_config()
@@ -218,10 +201,10 @@ class DeqscoreCLI(LightningCLI):
                         "run's own config.yaml, or change these options back):\n  " + "\n  ".join(conflicts))
         place_in_checkpoint_run(cfg, self._argv)
 
-    def _run_subcommand(self, subcommand: str) -> None:
+    def run_subcommand(self, subcommand: str) -> None:
         strategy = self.trainer.strategy
         if isinstance(strategy, DDPStrategy):  # read when the process group is made, at the start of fit/test
-            strategy._timeout = timedelta(seconds=self.config[subcommand].process_group_timeout)
+            set_process_group_timeout(strategy, self.config[subcommand].process_group_timeout)
         try:
             self._run_in_run_dir(subcommand)
         except Exception as err:
@@ -243,7 +226,7 @@ class DeqscoreCLI(LightningCLI):
             if self._stop_signals is not None:
                 self._stop_signals.saver = saver
         if launch_rank() != 0:  # DDP workers, on this node or another: global rank zero holds the directory
-            return super()._run_subcommand(subcommand)
+            return super().run_subcommand(subcommand)
         check_writable_run_dir(run_dir)  # before anything is written: one message naming the path
         for part in (self.model, *self.trainer.callbacks):  # refusals that would otherwise come at setup
             if hasattr(part, "check_run"):
@@ -263,7 +246,7 @@ class DeqscoreCLI(LightningCLI):
             if subcommand == "fit":
                 run_id(run_dir, create=True)  # a run older than run identities gets one now
             try:
-                super()._run_subcommand(subcommand)
+                super().run_subcommand(subcommand)
             except BaseException as err:
                 if fresh and not self._wrote_checkpoint(run_dir):
                     self._clear_failed_launch(run_dir)
@@ -317,13 +300,13 @@ class DeqscoreCLI(LightningCLI):
         if cfg.get("optimizer") and type(self.model).configure_optimizers is ScoreModule.configure_optimizers:
             self.trainer.callbacks.append(ConfiguredOptimizerOptions(dict(cfg.optimizer.get("init_args") or {})))
 
-    def _add_configure_optimizers_method_to_model(self, subcommand: str | None) -> None:
+    def add_configure_optimizers(self, subcommand: str | None) -> None:
         # ScoreModule.configure_optimizers only reports a missing `optimizer:`; replacing it is the normal case
         own = type(self.model).configure_optimizers is not ScoreModule.configure_optimizers
         with warnings.catch_warnings():
             if not own:
                 warnings.filterwarnings("ignore", message=".*configure_optimizers` will be overridden")
-            super()._add_configure_optimizers_method_to_model(subcommand)
+            super().add_configure_optimizers(subcommand)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--run_name", type=str, default="run", help="name of the run directory")

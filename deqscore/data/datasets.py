@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from deqscore.data.transforms import DEFAULT_ALPHA, check_transform, preprocess
+from deqscore.privates import IndexSamplerLoader, loader_index_sampler
 
 __all__ = ["ArrayImageDataset", "EpochShuffleSampler", "PreprocessedImageDataset", "split_indices"]
 
@@ -131,7 +132,7 @@ class EpochShuffleSampler(torch.utils.data.Sampler[int]):
         return self.n
 
 
-class ResumableLoader(DataLoader):
+class ResumableLoader(IndexSamplerLoader):
     """The training DataLoader, resumable within an epoch: its state (the epoch and the batches it has yielded in
     it) is saved with every checkpoint (Lightning's stateful-loader protocol), and a loader restored from one skips
     those batches of the epoch, so a run resumed from a checkpoint saved between two batches trains on exactly the
@@ -141,11 +142,10 @@ class ResumableLoader(DataLoader):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._yielded = 0  # batches of the current epoch, those skipped at a resume included
-        self._resumed: int | None = None  # batches the next pass leaves out (taken by its index sampler)
+        self.pending_skip: int | None = None  # batches the next pass leaves out (taken by its index sampler)
         self._skipping = _SkipFirst(self)
 
-    @property
-    def _index_sampler(self):
+    def index_sampler(self) -> _SkipFirst:
         # The batches are skipped where their indices are drawn, whatever sampler Lightning put in place (under DDP
         # a sharding wrapper of the epoch sampler), so no skipped batch is loaded.
         return self._skipping
@@ -157,10 +157,10 @@ class ResumableLoader(DataLoader):
         if state["batches"] >= super().__len__():  # saved at the epoch's last batch: the next epoch starts afresh
             return
         self.sampler.set_epoch(state["epoch"])
-        self._resumed = state["batches"]
+        self.pending_skip = state["batches"]
 
     def __iter__(self):
-        skip = self._resumed or 0
+        skip = self.pending_skip or 0
         iterator = super().__iter__()
         self._yielded = skip
         for batch in iterator:
@@ -177,7 +177,7 @@ class _SkipFirst:
         self.loader = loader
 
     def _epoch(self):
-        return DataLoader._index_sampler.fget(self.loader)  # what the loader would draw its pass from
+        return loader_index_sampler(self.loader)  # what the loader would draw its pass from
 
     def __len__(self) -> int:
         return len(self._epoch())
@@ -185,7 +185,7 @@ class _SkipFirst:
     def __iter__(self):
         # a generator: the skip is taken when the first index is drawn, not when a data-loader iterator is set up
         # (a worker-based iterator sets up one pass it never draws from before the one it uses)
-        skip, self.loader._resumed = self.loader._resumed or 0, None
+        skip, self.loader.pending_skip = self.loader.pending_skip or 0, None
         yield from itertools.islice(self._epoch(), skip, None)
 
 

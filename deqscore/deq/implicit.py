@@ -42,16 +42,24 @@ class LevelHost(Protocol):
 
 
 class Level:
-    """One fixed-point problem ``z = value(z, *tensors)`` of the nest (``outer``: the level it is the adjoint of)."""
+    """One fixed-point problem ``z = value(z, *tensors)`` of the nest (``outer``: the level it is the adjoint of).
 
-    def __init__(self, host: LevelHost, value: Value, index: int = 0, outer: Level | None = None):
-        self.host, self.value, self.index, self.outer = host, value, index, outer
+    ``additive``: the indices of the tensors that enter ``value`` only as an added term (``value = h(z, ...) + t``):
+    no derivative of ``value`` depends on their values, so the Function saves a zero placeholder for them (no
+    memory). A map ``f(z, u) = h(z) + u`` declares it (``additive_injection = True``); an adjoint map
+    ``pull(w) + g`` always has it for ``g``, and inherits its outer level's (shifted past ``z`` and ``g``)."""
+
+    def __init__(self, host: LevelHost, value: Value, index: int = 0, outer: Level | None = None,
+                 additive: frozenset[int] = frozenset()):
+        self.host, self.value, self.index, self.outer, self.additive = host, value, index, outer, additive
         self._adjoint: Level | None = None
 
     def adjoint(self) -> Level:
         """The problem ``w = A(w; z, g, *tensors) = vjp_z value(z, *tensors) [w] + g`` (built once, then kept)."""
         if self._adjoint is None:
-            self._adjoint = Level(self.host, _adjoint_value(self.value), self.index + 1, outer=self)
+            additive = frozenset({1} | {i + 2 for i in self.additive})
+            self._adjoint = Level(self.host, _adjoint_value(self.value), self.index + 1, outer=self,
+                                  additive=additive)
         return self._adjoint
 
     def step(self, tensors: Sequence[Tensor]) -> Callable[[Tensor], Tensor]:
@@ -89,6 +97,8 @@ class FixedPoint(torch.autograd.Function):
     def setup_context(ctx, inputs: tuple, output: Tensor) -> None:
         level, _, *tensors = inputs
         ctx.level = level
+        for i in level.additive:  # what the backward computes does not depend on their values (Level)
+            tensors[i] = tensors[i].new_zeros(()).expand_as(tensors[i])
         ctx.save_for_backward(output, *tensors)
 
     @staticmethod

@@ -303,7 +303,8 @@ class DEQ(nn.Module):
                 return z
             # the map's trainable tensors are explicit inputs of the Function (its partials are taken in them)
             named = [(n, p) for n, p in self.func.named_parameters() if p.requires_grad]
-            level = Level(self, map_value(self.func, [n for n, _ in named]))
+            additive = frozenset({0}) if getattr(self.func, "additive_injection", False) else frozenset()
+            level = Level(self, map_value(self.func, [n for n, _ in named]), additive=additive)
             return FixedPoint.apply(level, cast(z_init), u, *(p for _, p in named))
 
     def solve_level(self, level: int, step: Callable[[torch.Tensor], torch.Tensor], like: torch.Tensor,

@@ -57,6 +57,7 @@ from ..errors import ConfigError
 from ..families import declarations
 from ..finite import DeferredChecks, deferred_checks
 from ..losses import Loss
+from ..privates import attached_trainer
 from .nonfinite import NonFiniteStops
 from .run_hooks import ClosingStage, ResumeFixes, RunFacts, StepSeeding, batch_inputs
 
@@ -154,7 +155,8 @@ class ScoreModule(NonFiniteStops, pl.LightningModule):
     # ----- samples as images -------------------------------------------------------------------------
     def datamodule(self) -> Any:
         """The data module of the attached trainer, or None (a module used on its own)."""
-        return getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        trainer = attached_trainer(self)
+        return getattr(trainer, "datamodule", None) if trainer is not None else None
 
     def check_run(self, trainer: pl.Trainer, datamodule: Any) -> None:
         """Raise ConfigError if this module cannot run with ``trainer`` and ``datamodule`` (e.g. an unsuitable

@@ -14,6 +14,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.callbacks import WeightAveraging
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
 
+from ..privates import at_last_batch_of_epoch
 from ..sampling import pyplot, save_image_grid
 
 
@@ -179,7 +180,7 @@ class SaveOnInterrupt(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: object, batch: object,
                            batch_idx: int) -> None:
-        if not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:  # the epoch's last: saved at its end
+        if not at_last_batch_of_epoch(trainer):  # the epoch's last: saved at its end
             self._save_if_signalled(trainer)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 from pytorch_lightning.cli import instantiate_module
-from pytorch_lightning.core.mixins.hparams_mixin import _given_hyperparameters_context
 
 from ..errors import ConfigError
+from ..privates import CLASS_PATH_KEY, INSTANTIATOR_KEY, recording_hyperparameters
 from .base import FAMILY_KEY, CheckpointFamilyError, ScoreModule, family_registry
 
 # where Lightning's weight averaging keeps the trained (not averaged) weights in a checkpoint
@@ -34,20 +34,20 @@ _INSTANTIATOR = "pytorch_lightning.cli.instantiate_module"
 def _instantiate(hparams: dict[str, Any]) -> ScoreModule:
     """Build the module described by flat hyper-parameters ``{"_class_path": ..., **init_args}``, recording them
     as its hyper-parameters (as LightningCLI does), so that its own checkpoints rebuild it again."""
-    hparams = {k: v for k, v in hparams.items() if k != "_instantiator"}
-    with _given_hyperparameters_context(hparams=dict(hparams), instantiator=_INSTANTIATOR):
+    hparams = {k: v for k, v in hparams.items() if k != INSTANTIATOR_KEY}
+    with recording_hyperparameters(dict(hparams), _INSTANTIATOR):
         try:
             return instantiate_module(ScoreModule, hparams)
         except Exception as err:  # jsonargparse wraps the constructor's error; keep its message
             cause = err.__cause__ if isinstance(err.__cause__, ConfigError) else err
-            raise ConfigError(f"cannot build {hparams.get('_class_path')}: {cause}") from err
+            raise ConfigError(f"cannot build {hparams.get(CLASS_PATH_KEY)}: {cause}") from err
 
 
 def build_module(config: dict[str, Any]) -> ScoreModule:
     """The module of a ``{"class_path": ..., "init_args": {...}}`` config (the ``model:`` entry of a run)."""
     if "class_path" not in config:
         raise ConfigError(f"a module config needs a class_path; got keys {sorted(config)}")
-    return _instantiate({"_class_path": config["class_path"], **config.get("init_args", {})})
+    return _instantiate({CLASS_PATH_KEY: config["class_path"], **config.get("init_args", {})})
 
 
 def read_checkpoint(path: str | Path, map_location: str = "cpu") -> dict[str, Any]:
@@ -79,7 +79,7 @@ def load_module(path: str | Path, family: str | None = None, map_location: str =
     if family is not None and found != family:
         raise CheckpointFamilyError(f"{path} holds a {found!r} model, expected {family!r}")
     hparams = dict(ckpt.get("hyper_parameters") or {})
-    if "_class_path" not in hparams:
+    if CLASS_PATH_KEY not in hparams:
         raise CheckpointFamilyError(
             f"{path} does not record the module's config (it was built in Python from objects); build modules "
             "with train.py or deqscore.lightning.build_module to get checkpoints that rebuild them"

@@ -27,6 +27,7 @@ import torch
 from ..data.protocol import ImageData
 from ..errors import ConfigError
 from ..models.edm import EDM, EDMLoss
+from ..sampling.cost import counting_cost
 from ..sampling.heun import EDMHeun
 from .base import ScoreModule
 
@@ -45,8 +46,6 @@ class EDMModule(ScoreModule):
         self.net = net
         self.loss = EDMLoss(net.sigma_data, p_mean, p_std)
         self.sampler = sampler or EDMHeun()
-        #: what the last :meth:`sample` call cost (see :meth:`sampling_cost`)
-        self.last_sampling: dict[str, float] | None = None
 
     def check_run(self, trainer, datamodule) -> None:  # noqa: ANN001 - the base's signature
         if isinstance(datamodule, ImageData) and datamodule.codec.transform != "pixels":
@@ -67,8 +66,7 @@ class EDMModule(ScoreModule):
     def sample(self, n: int, generator: torch.Generator | None = None, warm: bool = True) -> torch.Tensor:
         """``n`` samples ``[n, dim]`` in ``[0, 1]`` by the Heun sampler, the network in eval mode and (``warm``)
         each DEQ solve started from the previous evaluation's fixed point; ``x_0`` comes from ``generator``
-        (default: seeded from torch's RNG, so ``torch.manual_seed`` fixes the samples). Records the cost in
-        :attr:`last_sampling`."""
+        (default: seeded from torch's RNG, so ``torch.manual_seed`` fixes the samples)."""
         device = next(self.net.parameters()).device
         if generator is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
@@ -77,50 +75,26 @@ class EDMModule(ScoreModule):
         layers = self.deq_layers()
         saved = [(d.warm_start, d.z_cache) for d in layers]
         self.net.eval()
-        iterations, evaluations = [], 0
-
-        def denoise(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-            nonlocal evaluations
-            out = self.net(x, sigma)
-            evaluations += 1
-            iterations.extend(d.stats.nstep for d in layers if d.stats is not None)
-            return out
-
         for d in layers:
             d.warm_start, d.z_cache = warm, None
         try:
-            y = self.sampler(denoise, (n, self.net.dim), generator, device=device)
+            y = self.sampler(self.net, (n, self.net.dim), generator, device=device)
         finally:
             self.net.train(was_training)
             for d, (warm_start, cache) in zip(layers, saved, strict=True):
                 d.warm_start, d.z_cache = warm_start, cache
-        self.last_sampling = {"evaluations_per_sample": float(evaluations), "warm": float(warm),
-                              "solver_iterations_per_evaluation": (sum(iterations) / len(iterations)
-                                                                   if iterations else 0.0)}
         return ((y + 1) / 2).clamp(0, 1)
 
     def sampling_cost(self, n: int = 16, seed: int = 0) -> dict[str, float]:
-        """Network evaluations per sample and DEQ solver iterations per evaluation (per DEQ layer), drawing ``n``
-        samples from ``seed`` with cold (zero) and warm starts; iterations per sample are their product."""
+        """Network evaluations per sample and DEQ solver iterations per evaluation (summed over the DEQ layers),
+        drawing ``n`` samples from ``seed`` with cold (zero) and warm starts; iterations per sample are their
+        product (counted as ``sample.py`` counts them, :func:`deqscore.sampling.cost.counting_cost`)."""
         out = {}
         for warm in (False, True):
-            self.sample(n, torch.Generator(device=next(self.net.parameters()).device).manual_seed(seed), warm=warm)
-            cost = self.last_sampling
+            with counting_cost(self.net) as cost:
+                self.sample(n, torch.Generator(device=next(self.net.parameters()).device).manual_seed(seed), warm)
             key = "warm" if warm else "cold"
-            out["evaluations_per_sample"] = cost["evaluations_per_sample"]
-            out[f"iterations_per_evaluation_{key}"] = cost["solver_iterations_per_evaluation"]
-            out[f"iterations_per_sample_{key}"] = cost["solver_iterations_per_evaluation"] * cost[
-                "evaluations_per_sample"]
+            out["evaluations_per_sample"] = float(cost.evaluations)  # one batch: each call evaluates every sample
+            out[f"iterations_per_evaluation_{key}"] = cost.iterations_per_evaluation()
+            out[f"iterations_per_sample_{key}"] = cost.iterations_per_evaluation() * cost.evaluations
         return out
-
-    def sampling_report(self) -> str:
-        """One line on the last :meth:`sample` call's cost (``sample.py`` prints it)."""
-        cost = self.last_sampling
-        if cost is None:
-            return ""
-        line = f"{cost['evaluations_per_sample']:.0f} network evaluations per sample"
-        if self.deq_layers():
-            start = "warm" if cost["warm"] else "cold"
-            line += (f", {cost['solver_iterations_per_evaluation']:.2f} DEQ solver iterations per evaluation "
-                     f"({start} starts)")
-        return line

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..finite import DeferredChecks, active_checks
+from ..privates import attached_trainer
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -63,7 +64,7 @@ class NonFiniteStops:
 
     def _grad_scaler(self) -> Any:
         """The precision plugin's gradient scaler (``16-mixed``), or None."""
-        trainer = self._trainer
+        trainer = attached_trainer(self)
         return getattr(getattr(trainer, "precision_plugin", None), "scaler", None) if trainer is not None else None
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -81,7 +82,7 @@ class NonFiniteStops:
 
     @property
     def _several_processes(self) -> bool:
-        trainer = self._trainer
+        trainer = attached_trainer(self)
         return trainer is not None and trainer.world_size > 1
 
     @property
@@ -101,7 +102,7 @@ class NonFiniteStops:
         return torch.stack(rows)
 
     def _logging_step(self) -> bool:
-        trainer = self._trainer
+        trainer = attached_trainer(self)
         return trainer is not None and (self.global_step + 1) % max(trainer.log_every_n_steps, 1) == 0
 
     def _sync_free_guard(self, named: list[tuple[str, torch.Tensor]]) -> None:

@@ -29,6 +29,14 @@ from ..data.protocol import EpochData
 from ..errors import ConfigError
 from ..losses import Loss
 from ..metrics import parameter_count, step_activation_bytes
+from ..privates import (
+    batches_that_stepped,
+    complete_finished_epoch,
+    relocate_checkpoint_states,
+    reopen_cut_epoch,
+    save_last_checkpoint,
+    start_epoch_afresh,
+)
 from .callbacks import run_dir
 
 
@@ -58,85 +66,13 @@ class StepSeeding(pl.Callback):
         reseed(module, -2)
 
 
-def complete_finished_epoch(checkpoint: dict[str, Any]) -> bool:
-    """Mark an epoch whose batches all ran (saved from its end hooks) as completed in ``checkpoint``'s loop state.
-
-    Lightning 2.6 resumes such a checkpoint of a run with ``max_steps`` set by replaying the epoch's end: its
-    hooks run a second time, the epoch is counted twice (a resumed ``max_epochs: 2`` run stops at once) and the
-    data order of every later epoch shifts. Without ``max_steps`` it marks the epoch completed and goes on; this
-    gives both kinds of run that behaviour (with :class:`ResumeFixes`, which starts the next epoch afresh rather
-    than as a restart). True if the checkpoint was such a one.
-    """
-    fit_loop = checkpoint.get("loops", {}).get("fit_loop")
-    if not fit_loop or not fit_loop.get("epoch_loop.batch_progress", {}).get("is_last_batch"):
-        return False
-    progress = fit_loop["epoch_progress"]
-    trackers = (progress["total"], progress["current"])
-    if not all(t["ready"] == t["started"] == t["processed"] == t["completed"] + 1 for t in trackers):
-        return False
-    for tracker in trackers:
-        tracker["completed"] = tracker["processed"]
-    return True
-
-
-def reopen_cut_epoch(checkpoint: dict[str, Any]) -> bool:
-    """Mark an epoch that ended before its last batch (the run stopped at ``max_steps``, or by any other stop
-    between two batches) as unfinished in ``checkpoint``'s loop state, so a resume with a larger budget continues it.
-
-    Lightning counts such an epoch completed, and resumes it by starting the next epoch: the rest of the cut
-    epoch's batches are never trained and the data order of every later epoch shifts against an uninterrupted
-    run. Marked unfinished, the fit resumes in the middle of the epoch (from the batch after the last one trained,
-    the training loader skipping the ones before it: :class:`~deqscore.data.datasets.ResumableLoader`), as from a
-    preemption checkpoint. The cut epoch's end hooks then run once more at its real end. True if it was one.
-    """
-    fit_loop = checkpoint.get("loops", {}).get("fit_loop")
-    batches = (fit_loop or {}).get("epoch_loop.batch_progress", {})
-    if not batches or batches.get("is_last_batch") or not batches["current"]["completed"]:
-        return False
-    progress = fit_loop["epoch_progress"]
-    trackers = (progress["total"], progress["current"])
-    if not all(t["ready"] == t["started"] == t["processed"] == t["completed"] > 0 for t in trackers):
-        return False
-    for tracker in trackers:
-        tracker["processed"] -= 1
-        tracker["completed"] -= 1
-    return True
-
-
-def relocate_checkpoint_states(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
-    """A run resumed from a checkpoint of its own ``checkpoints/`` folder after the run directory was moved or
-    copied: the paths its checkpoint callbacks recorded (their folder, the best, k-th best and last files) are
-    carried over to where the run lives now. Lightning would otherwise drop their state for a changed folder:
-    ``last.ckpt`` would be written beside itself as ``last-v1.ckpt``, the best scores be forgotten, and the
-    closing stage read the best weights from the run's old place (another run, once the name is reused)."""
-    if not trainer.ckpt_path:
-        return
-    here = Path(trainer.ckpt_path).resolve().parent
-    states = checkpoint.get("callbacks") or {}
-    for callback in trainer.checkpoint_callbacks:
-        state, new = states.get(getattr(callback, "state_key", None)), getattr(callback, "dirpath", None)
-        old = state.get("dirpath") if isinstance(state, dict) else None
-        if not old or not new or old == new or Path(new).resolve() != here:
-            continue
-
-        def moved(path: Any, old: str = old, new: str = new) -> Any:
-            return str(Path(new) / Path(path).name) if isinstance(path, str) and path and Path(path).parent == Path(
-                old) else path
-
-        state["dirpath"] = new
-        for key in ("best_model_path", "kth_best_model_path", "last_model_path"):
-            if key in state:
-                state[key] = moved(state[key])
-        if isinstance(state.get("best_k_models"), dict):
-            state["best_k_models"] = {moved(path): score for path, score in state["best_k_models"].items()}
-
-
 class ResumeFixes(pl.Callback):
     """A resumed run continues as an uninterrupted one: an epoch that finished before the checkpoint is not
-    replayed (:func:`complete_finished_epoch`), one cut short by the run's budget is continued
-    (:func:`reopen_cut_epoch`), data modules with epoch-dependent randomness (dequantisation noise, shuffling)
-    follow the epoch through their ``set_epoch``, and a checkpoint whose optimiser states do not match the module's
-    optimisers is refused (Lightning would restore the ones it has and silently start the others afresh).
+    replayed (:func:`~deqscore.privates.complete_finished_epoch`), one cut short by the run's budget is
+    continued (:func:`~deqscore.privates.reopen_cut_epoch`), data modules with epoch-dependent randomness
+    (dequantisation noise, shuffling) follow the epoch through their ``set_epoch``, and a checkpoint whose optimiser
+    states do not match the module's optimisers is refused (Lightning would restore the ones it has and silently
+    start the others afresh).
 
     A run that ends between two checkpoints (at ``max_steps`` in the middle of an epoch) writes
     ``last.ckpt`` at its last step: Lightning writes it at the end of training only when it wrote none before, so it
@@ -165,13 +101,12 @@ class ResumeFixes(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         # before the closing stage (a later callback of the module's), which loads the best weights into the module
         for callback in trainer.checkpoint_callbacks:
-            if (isinstance(callback, ModelCheckpoint) and callback.save_last
-                    and not callback._should_skip_saving_checkpoint(trainer)):  # its last save is of an earlier step
-                callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+            if isinstance(callback, ModelCheckpoint) and callback.save_last:  # its last save is of an earlier step
+                save_last_checkpoint(callback, trainer)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if self._resumed_after_epoch:  # a fresh epoch after a finished one, not the restart of an unfinished one
-            trainer.fit_loop.epoch_loop.restarting = False
+            start_epoch_afresh(trainer)
             self._resumed_after_epoch = False
         self._set_data_epoch(trainer)
 
@@ -216,9 +151,9 @@ class RunFacts(pl.Callback):
             for name, text in losses.items():
                 rank_zero_info(f"{name}: {text}")
             for logger in trainer.loggers:
-                # the step axis of the per-step metrics: Lightning logs them at the count of batches that stepped
-                # (no public accessor), which differs from global_step when a family steps several optimisers
-                logger.log_metrics(facts, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+                # the step axis of the per-step metrics, which differs from global_step when a family steps several
+                # optimisers
+                logger.log_metrics(facts, step=batches_that_stepped(trainer))
                 if losses:
                     logger.log_hyperparams({f"resolved_{k}": v for k, v in losses.items()})
 

@@ -26,6 +26,7 @@ from pytorch_lightning import Callback
 
 from ..errors import ConfigError
 from ..files import staged, unwritable
+from ..privates import checkpoint_batches_that_stepped, saved_at_batch_end
 
 #: files and folders that mark a directory as holding a run
 RUN_MARKERS = ("checkpoints", "metrics.csv", "config.yaml", "hparams.yaml")
@@ -232,12 +233,7 @@ def checkpoint_log_step(ckpt: dict[str, Any]) -> int:
     """The logging step a run resumed from ``ckpt`` continues at (Lightning's count of optimizer-stepping batches).
     A checkpoint saved at a training batch's end (a mid-epoch or preemption checkpoint) holds the count before that
     batch's; Lightning adds the batch when it resumes, and so does this."""
-    fit_loop = ckpt.get("loops", {}).get("fit_loop", {})
-    loop = fit_loop.get("epoch_loop.state_dict", {})
-    step = int(loop.get("_batches_that_stepped", ckpt.get("global_step", 0)))
-    total = fit_loop.get("epoch_loop.batch_progress", {}).get("total", {})
-    at_batch_end = bool(total) and total["started"] == total["ready"] == total["processed"] == total["completed"] + 1
-    return step + at_batch_end
+    return checkpoint_batches_that_stepped(ckpt) + saved_at_batch_end(ckpt)
 
 
 def truncate_log_after(csv_path: Path, step: int) -> int:

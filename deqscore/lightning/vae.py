@@ -42,6 +42,7 @@ from pytorch_lightning.strategies import DDPStrategy
 from ..errors import ConfigError, check_count, check_real
 from ..metrics.ais import ais_log_likelihood
 from ..models import GaussianVAE, ImplicitVAE
+from ..privates import finds_unused_parameters
 from .base import ScoreModule
 
 
@@ -91,7 +92,7 @@ class VAEModule(ScoreModule):
         strategy = trainer.strategy
         # Each optimiser's loss leaves the other network out of its graph: DDP must be told to expect that (with it,
         # every manual backward re-arms the gradient averaging for the parameters it reaches).
-        if isinstance(strategy, DDPStrategy) and not getattr(strategy, "_ddp_kwargs", {}).get("find_unused_parameters"):
+        if isinstance(strategy, DDPStrategy) and not finds_unused_parameters(strategy):
             raise ConfigError("trainer.strategy: the VAE under DDP needs 'ddp_find_unused_parameters_true' (each of "
                               "its two losses uses only its own network)")
 

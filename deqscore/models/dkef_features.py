@@ -21,6 +21,8 @@ class DKEFDEQMap(nn.Module):
     autograd differentiates ``w``.
     """
 
+    additive_injection = True  # f(z, u) = h(z) + u: the implicit backward saves no copy of u
+
     def __init__(self, hidden: int, grad_through_norm: bool = False):
         super().__init__()
         self.lin = nn.Linear(hidden, hidden, bias=False)

@@ -241,6 +241,8 @@ class NCSNDEQMap(nn.Module):
     (the reference code's pre-step).
     """
 
+    additive_injection = True  # f(z, u) = h(z) + u: the implicit backward saves no copy of u
+
     def __init__(self, ngf: int, grad_through_norm: bool = False, double_prestep: bool = False):
         super().__init__()
         self.block = ResidualBlock(ngf, ngf)

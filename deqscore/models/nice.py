@@ -49,6 +49,8 @@ class NICEDEQMap(nn.Module):
     ``F`` is an ``a``-contraction in ``z`` (Softplus is 1-Lipschitz, spectral <= Frobenius norm).
     """
 
+    additive_injection = True  # f(z, u) = h(z) + u: the implicit backward saves no copy of u
+
     def __init__(self, hidden: int, scale: float = 0.5, grad_through_norm: bool = True):
         super().__init__()
         self.lin1 = nn.Linear(hidden, hidden)

@@ -60,6 +60,8 @@ def tanh_mlp(d_in: int, hidden: int, d_out: int, layers: int = 2) -> nn.Sequenti
 class MLPDEQScoreMap(nn.Module):
     """``F(h, u) = SP(W h) / w + u``, ``w = C (||W||_F + 1e-6)`` (no gradient through w): ``1/C``-contractive."""
 
+    additive_injection = True  # f(z, u) = h(z) + u: the implicit backward saves no copy of u
+
     def __init__(self, hidden: int, norm_scale: float):
         super().__init__()
         self.lin = nn.Linear(hidden, hidden, bias=False)
@@ -152,6 +154,8 @@ class ConvDecoder(nn.Module):
 class ConvDEQScoreMap(nn.Module):
     """``F(h, u) = SP(conv_W(h)) / w + u``, a k x k convolution without bias, ``w = C (||W||_F + 1e-6)`` (no
     gradient; ``C > k`` bounds the Lipschitz constant of a k x k convolution below 1, docs/method.md 2.2)."""
+
+    additive_injection = True  # f(z, u) = h(z) + u: the implicit backward saves no copy of u
 
     def __init__(self, nef: int, norm_scale: float, kernel_size: int = 5):
         super().__init__()

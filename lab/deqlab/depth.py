@@ -268,7 +268,8 @@ def depth(s: Settings, device: torch.device) -> Table:
     for name, family in families.items():
         settings = {"mode": s.mode, "sizes": family.sizes[s.mode], "batch": family.batch[s.mode],
                     "depths": DEPTHS[s.mode], "phantom_steps": PHANTOM_STEPS[s.mode],
-                    "iterations": ITERATIONS[s.mode], "config": composed_text(ROOT / family.config)}
+                    "iterations": ITERATIONS[s.mode], "config": composed_text(ROOT / family.config),
+                    "backward": ("phantom", "implicit")}  # units measured before the implicit rows: measured again
         rows = recorded(out / "depth_units" / f"{name}__rows.json", settings, lambda f=family: family_rows(f, s.mode))
         train = {"mode": s.mode, "args": family.train_args and family.train_args[s.mode],
                  "config": settings["config"]}

@@ -26,3 +26,16 @@ class LinearMap(nn.Module):
 
     def forward(self, z, u):
         return z @ self.weight.T + u
+
+
+def loss_gradients(build, deq, state=None):
+    """A family probe's module built with ``deq`` (weights ``state`` if given) and its loss's parameter gradients,
+    by name; the seeds make the weights and the loss's own draws the same for every ``deq`` compared."""
+    torch.manual_seed(0)
+    module, loss = build(deq)
+    if state is not None:
+        module.load_state_dict(state)
+    torch.manual_seed(3)  # the loss's own draws (projections, noise levels, encoder noise): the same for both
+    params = dict(module.named_parameters())
+    grads = torch.autograd.grad(loss().mean(), list(params.values()), allow_unused=True)
+    return module, dict(zip(params, grads, strict=True))

@@ -18,6 +18,7 @@ from torch.func import functional_call
 from deqscore.deq import DEQ
 from deqscore.deq.implicit import FixedPoint
 from deqscore.models.dkef_features import DKEFDEQMap
+from tests.deq.helpers import loss_gradients
 from tests.deq.test_family_phantom import FAMILIES
 
 IMPLICIT = functools.partial(DEQ, backward="implicit", solver="anderson", tol=1e-12, max_iter=500)
@@ -36,17 +37,6 @@ def probe(request, monkeypatch):
     return FAMILIES[request.param]
 
 
-def _loss_gradients(build, deq, state=None):
-    torch.manual_seed(0)
-    module, loss = build(deq)
-    if state is not None:
-        module.load_state_dict(state)
-    torch.manual_seed(3)  # the loss's own draws (projections, noise levels, encoder noise): the same for both
-    params = dict(module.named_parameters())
-    grads = torch.autograd.grad(loss().mean(), list(params.values()), allow_unused=True)
-    return module, dict(zip(params, grads, strict=True))
-
-
 def _relative_error(got: dict, want: dict) -> float:
     num = sum(float((got[n] - want[n]).pow(2).sum()) for n in want if want[n] is not None)
     den = sum(float(want[n].pow(2).sum()) for n in want if want[n] is not None)
@@ -55,10 +45,10 @@ def _relative_error(got: dict, want: dict) -> float:
 
 def implicit_vs_unrolled(build) -> float:
     """The relative error of the loss's parameter gradient through the implicit layer against the unrolled one."""
-    module, got = _loss_gradients(build, IMPLICIT)
+    module, got = loss_gradients(build, IMPLICIT)
     deqs = [m for m in module.modules() if isinstance(m, DEQ)]
     assert deqs and all(m.backward == "implicit" and m.stats.converged for m in deqs)
-    _, want = _loss_gradients(build, UNROLLED, module.state_dict())
+    _, want = loss_gradients(build, UNROLLED, module.state_dict())
     inside = [n for n in want if ".func." in n and want[n] is not None]
     assert inside and all(got[n] is not None for n in inside)
     return _relative_error(got, want)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from deqscore.deq import DEQ
+from tests.deq.helpers import loss_gradients
 from tests.families import fixtures
 
 K, LAM = 3, 0.6
@@ -48,24 +49,13 @@ PHANTOM = functools.partial(DEQ, backward="phantom", phantom_steps=K, phantom_da
 FAMILIES = {name: file.phantom_probe for name, file in fixtures().items() if hasattr(file, "phantom_probe")}
 
 
-def _loss_gradients(build, deq, state=None):
-    torch.manual_seed(0)
-    module, loss = build(deq)
-    if state is not None:
-        module.load_state_dict(state)
-    torch.manual_seed(3)  # the loss's own draws (projections, noise levels, encoder noise): the same for both
-    params = dict(module.named_parameters())
-    grads = torch.autograd.grad(loss().mean(), list(params.values()), allow_unused=True)
-    return module, dict(zip(params, grads, strict=True))
-
-
 @pytest.mark.filterwarnings("ignore:Attribute .net. is an instance")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_phantom_loss_gradient_equals_the_hand_written_steps(family):
-    module, got = _loss_gradients(FAMILIES[family], PHANTOM)
+    module, got = loss_gradients(FAMILIES[family], PHANTOM)
     deqs = [m for m in module.modules() if isinstance(m, DEQ)]
     assert deqs and all(m.backward == "phantom" and m.stats.converged for m in deqs)
-    _, want = _loss_gradients(FAMILIES[family], HandPhantom, module.state_dict())
+    _, want = loss_gradients(FAMILIES[family], HandPhantom, module.state_dict())
     assert got.keys() == want.keys()
     inside = [n for n in got if ".func." in n]
     assert inside and any(got[n] is not None and got[n].abs().max() > 1e-6 for n in inside)

@@ -4,6 +4,7 @@ best-FID checkpoint, the grid, fid.json and the usage errors."""
 
 import functools
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -99,6 +100,11 @@ def test_sample_script_writes_the_fid_of_its_samples(fid_run, tmp_path, capsys):
     sample.main(["--checkpoint", str(ckpt), "--num-samples", str(N), "--out", str(tmp_path / "s"), "--fid",
                  "--batch-size", "3", "--stats-root", str(fid_run / "stats"), "--reference-images", str(REFERENCE),
                  "--final-denoise", "off"])
+    # the sampling cost: one evaluation per Langevin step (no final denoising step); no DEQ, so no iterations
+    module = load_module(ckpt)
+    evaluations = len(module.sigmas) * module.sampler.n_steps_each
+    printed = capsys.readouterr().out
+    assert re.search(rf"^sampling cost: {evaluations} network evaluations per sample$", printed, re.M)
     report = json.loads((tmp_path / "s" / "fid.json").read_text())
     assert report["num_samples"] == N and report["final_denoise"] is False
     assert report["reference"] == f"mnist train ({REFERENCE} images)"
@@ -108,7 +114,7 @@ def test_sample_script_writes_the_fid_of_its_samples(fid_run, tmp_path, capsys):
     expected = frechet_distance(image_stats(images, InceptionFeatures()),
                                 load_stats(stats_file(key, fid_run / "stats"), key))
     assert report["fid"] == pytest.approx(expected, rel=1e-6)
-    assert f"FID {report['fid']:.3f} from {N} samples" in capsys.readouterr().out
+    assert f"FID {report['fid']:.3f} from {N} samples" in printed
     # KID of the same features, against the reference features the cache keeps (all of them here)
     reference = load_stats(stats_file(key, fid_run / "stats"), key)
     assert report["label"] == f"FID@{N}" and reference.features.shape == (REFERENCE, 2048)

@@ -1,28 +1,22 @@
-"""DEQ against constant-depth feed-forward networks under one weight-norm budget, on steep functions of one coordinate.
+"""DEQ against feed-forward networks under one Lipschitz budget per comparison, on a steep function of one
+coordinate, every network trained to its floor (protocol v3).
 
 Run::
 
-    python -m deqlab deq_vs_ffn                       # the protocol's runs (resumes; --shard 0/2 and 1/2
-                                                              # split them between two processes)
-    python -m deqlab deq_vs_ffn --report-only         # tables from the units on disk
-    python -m deqlab deq_vs_ffn --steps 20 --seeds 2 --dims 2 --out /tmp/dvf   # a smoke run (off protocol)
+    python -m deqlab deq_vs_ffn                       # the protocol's units, in its order (resumes)
+    python -m deqlab deq_vs_ffn --report-only         # the page from the units on disk
+    python -m deqlab deq_vs_ffn --only control:2:deq,control:2:ffn2 --seeds 2 --max-steps 40 --out /tmp/dvf
 
-Everything that decides the outcome (the construction, the budget, the networks, the training, the seeds, the rule
-and the predictions) is in the committed protocol ``benchmarks/protocol/deq_vs_ffn/v2.json``; every unit records the
-protocol's SHA-256, and options that depart from it are recorded and flagged on the page.
+Everything that decides the outcome (construction, budgets, networks, the lr and steps selection rule, the floor
+test, seeds, rule and predictions) is in the committed protocol ``benchmarks/protocol/deq_vs_ffn/v3.json``; every
+unit records its SHA-256, and options that depart from it are recorded and flagged on the page.
 
-Two tasks in ``d`` dimensions, both steep along ``x_1`` with a slope ``a_d = 2 ** (d / 4)`` that grows
-exponentially with ``d``: regression of ``tanh(a_d x_1)`` and score matching (SSM-VR) of
-``p(x) ~ N(x; 0, I) sigmoid(k_d x_1)`` against its exact score. The networks: a DEQ
-``z* = tanh(W z* + U x + b)``, ``y = V z* + c`` on deqscore's DEQ layer, and tanh networks of 2, 4 and 8 hidden
-layers with the DEQ's parameter count. Every weight matrix's spectral norm is capped at ``B`` and the DEQ's ``W``
-at ``gamma < 1`` (:func:`deqscore.deq.spectral_cap`), so the networks' Lipschitz constants are capped at
-``B ** (L + 1)`` and ``B ** 2 / (1 - gamma)``.
-
-Per unit (task x d x network x seed), in ``<out>/units/``: the held-out metric, the same at initialisation, the
-largest slope ``d y / d x_1`` reached, the weight norms (spectral and largest entry), the solver's iterations and
-capped solves, and for the DEQ its contraction at the fixed point and the phantom derivative's errors
-(:func:`deqlab.study.trust.trust_figures`).
+Regression of ``tanh(a_d x_1)``, ``x ~ N(0, I_d)``, ``a_d = 2 ** (d / 4)``. Per comparison one Lipschitz budget
+``Lambda = B^2 / (1 - gamma)``, the DEQ's: a feed-forward network of ``L`` hidden layers has every matrix capped at
+``Lambda^(1/(L+1))``. The control DEQ has ``gamma = 0.9``; the steepening DEQ ``gamma_d -> 1`` with its weights'
+norms fixed. Per architecture the lr and step count are chosen on a validation split
+(:mod:`.training`); each arm is compared with its provable floor (:func:`.networks.clipped_fit_floor`), and an arm
+still falling or far above it decides no verdict (:mod:`.verdicts`).
 """
 
 from __future__ import annotations
@@ -30,31 +24,41 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
-
-from deqscore.deq import DEQ
-from deqscore.metrics import parameter_count
 
 from ..measure import environment, log
 from ..report import Column, Table, table_markdown
-from ..study.trust import trust_figures
 from ..units import recorded
-from .networks import FFN, DEQNet, Task, build, ffn_parameters, largest_slope, matched_width, slope, weight_norms
-from .verdicts import comparisons, judge, outcome, summarise
+from .networks import (
+    FFN,
+    Budget,
+    DEQNet,
+    Task,
+    budget,
+    build,
+    clipped_fit_floor,
+    ffn_parameters,
+    matched_width,
+    slope,
+    weight_norms,
+)
+from .training import chosen, still_falling, train
+from .verdicts import comparisons, judge, outcome, summarise_arm
 
-__all__ = ["FFN", "DEQNet", "Task", "build", "comparisons", "ffn_parameters", "judge", "load_protocol", "main",
-           "matched_width", "outcome", "run_unit", "slope", "summarise"]
+__all__ = ["FFN", "Budget", "DEQNet", "Task", "budget", "build", "clipped_fit_floor", "comparisons",
+           "ffn_parameters", "judge", "load_protocol", "main", "matched_width", "outcome", "plan", "slope",
+           "still_falling", "weight_norms"]
 
-PROTOCOL = Path("benchmarks/protocol/deq_vs_ffn/v2.json")
+PROTOCOL = Path("benchmarks/protocol/deq_vs_ffn/v3.json")
 DEFAULT_OUT = "benchmarks/results/deq_vs_ffn"
-TASKS = ("regression", "score")
-CURVE_POINTS = 10  # held-out evaluations along training, for the flattened test
+# The protocol's "order": the predictions' arms first, the costly steepening DEQ at d = 32 after the cheap ones.
+ORDER = [("control", 32, "deq"), ("control", 32, "ffn2"), ("control", 32, "ffn8"), ("control", 2, "deq"),
+         ("control", 2, "ffn2"), ("control", 2, "ffn8"), ("steep", 32, "ffn2"), ("steep", 32, "deq_steep"),
+         ("control", 32, "ffn54"), ("control", 16, "deq"), ("control", 16, "ffn2"), ("control", 16, "ffn8"),
+         ("steep", 24, "deq_steep"), ("steep", 24, "ffn2"), ("steep", 24, "ffn8"), ("steep", 32, "ffn8")]
 
 
 def load_protocol(path: Path = PROTOCOL) -> tuple[dict, str]:
@@ -63,174 +67,125 @@ def load_protocol(path: Path = PROTOCOL) -> tuple[dict, str]:
     return json.loads(raw), hashlib.sha256(raw).hexdigest()
 
 
-class _Objective(nn.Module):
-    """The interface :func:`trust_figures` reads: the network, its DEQ layers and the training objective."""
-
-    deq_objective = "loss"
-
-    def __init__(self, net: nn.Module, task: Task):
-        super().__init__()
-        self.net, self.task = net, task
-
-    def deq_layers(self) -> list[DEQ]:
-        return [m for m in self.net.modules() if isinstance(m, DEQ)]
-
-    def loss_terms(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"loss": self.task.loss(self.net, x)}
+def plan(protocol: dict) -> list[tuple[str, int, str]]:
+    """The protocol's arms (budget, d, network) in its order; a test fails if ORDER and the arms disagree."""
+    arms = {(a["budget"], d, n) for a in protocol["arms"] for d in a["dims"] for n in a["networks"]}
+    return [arm for arm in ORDER if arm in arms]
 
 
-def run_unit(task: Task, network: str, seed: int, protocol: dict, steps: int) -> dict:
-    """Train one network on one task with one seed; its record."""
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(10_000 + seed)
-    net = build(network, task, protocol)
-    training, evaluation = protocol["training"], protocol["evaluation"]
-    held_out = task.sample(evaluation["samples"], torch.Generator().manual_seed(evaluation["seed"]))
-    untrained = task.metric(net, held_out)
-    opt = torch.optim.Adam(net.parameters(), lr=training["lr"])
-    objective = _Objective(net, task)
-    layers = objective.deq_layers()
-    iters, capped_solves, curve, eval_seconds = [], 0, [], 0.0
-    every = max(1, steps // CURVE_POINTS)
-    start = time.perf_counter()
-    for step in range(steps):
-        if step % every == 0 and step:
-            tick = time.perf_counter()
-            curve.append((step, task.metric(net, held_out)))
-            eval_seconds += time.perf_counter() - tick
-        x = task.sample(training["batch"], gen)
-        opt.zero_grad(set_to_none=True)
-        value = task.loss(net, x)
-        value.backward()
-        opt.step()
-        for layer in layers:
-            iters.append(layer.stats.nstep)
-            capped_solves += not layer.stats.converged
-    seconds = time.perf_counter() - start - eval_seconds
-    metric = task.metric(net, held_out)
-    curve.append((steps, metric))
-    record = {
-        "metric": metric, "curve": curve, "still_falling": still_falling(curve, protocol),
-        "metric_untrained": untrained, "metric_control": task.control(held_out), "final_loss": float(value.detach()),
-        "largest_slope": largest_slope(net, held_out[:2048]), "lipschitz_cap": net.lipschitz_cap,
-        "parameters": parameter_count(net), "ms_per_step": 1e3 * seconds / steps, **weight_norms(net),
-        "solver_iters": sum(iters) / len(iters) if iters else None,
-        "capped_solves": capped_solves / len(iters) if iters else None,
-    }
-    if layers:
-        record["trust"] = trust_figures(objective, task.sample(512, gen), seed=seed)
-    return record
+def run_arm(arm: tuple[str, int, str], args: argparse.Namespace, protocol: dict, sha: str) -> list[dict] | None:
+    """The arm's test runs (one per seed) by the selection rule, each recorded under ``<out>/units``; with
+    ``--report-only`` those on disk (None while its selection is incomplete)."""
+    kind, dim, network = arm
+    task = Task("regression", dim, slope(dim, protocol))
+    spend = budget(kind, task.a, protocol)
+    training = {**protocol["training"], **args.overrides}
+    proto = {**protocol, "training": training}
+    stem = f"regression_d{dim}_{network}_{kind}"
 
-
-def still_falling(curve: list[tuple[int, float]], protocol: dict) -> bool:
-    """The protocol's test of an unfinished run: over the last ``window`` of the steps the held-out metric fell by
-    more than ``relative_drop`` of its value at the window's start.
-
-    >>> p = {"flattened": {"window": 0.2, "relative_drop": 0.05}}
-    >>> still_falling([(80, 1.0), (100, 0.9)], p), still_falling([(80, 1.0), (100, 0.99)], p)
-    (True, False)
-    """
-    rule = protocol["flattened"]
-    last_step, last = curve[-1]
-    start = [v for step, v in curve if step <= last_step * (1 - rule["window"])]
-    return bool(start) and last < (1 - rule["relative_drop"]) * start[-1]
-
-
-@dataclass(frozen=True)
-class Unit:
-    task: Task
-    network: str
-    seed: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.task.kind}_d{self.task.dim}_{self.network}_s{self.seed}"
-
-
-def plan(args: argparse.Namespace, protocol: dict) -> list[Unit]:
-    return [Unit(Task(kind, d, slope(d, protocol)), net, s) for kind in args.tasks for d in args.dims
-            for net in args.networks for s in range(args.seeds)]
-
-
-def run_all(args: argparse.Namespace, protocol: dict, sha: str) -> list[dict]:
-    """Every unit of the plan (this process's shard of it), each recorded under ``<out>/units`` and read back if
-    it was recorded with the same settings; with ``--report-only`` nothing is trained."""
-    units, records = plan(args, protocol), []
-    index, count = args.shard
-    for i, unit in enumerate(units):
-        path = Path(args.out) / "units" / f"{unit.name}.json"
-        settings = {"unit": unit.name, "protocol_sha256": sha, "steps": args.steps}
-        mine = i % count == index and not args.report_only
-        if not mine:
+    def unit(name: str, settings: dict, compute: Callable[[], dict]) -> dict | None:
+        path = Path(args.out) / "units" / f"{name}.json"
+        settings = json.loads(json.dumps({"unit": name, "protocol_sha256": sha, **args.overrides, **settings}))
+        if args.report_only:
             saved = json.loads(path.read_text()) if path.exists() else None
-            if saved is None or saved["settings"] != settings:
-                continue
-            value = saved["value"]
-        else:
-            value = recorded(path, settings, lambda u=unit: run_unit(u.task, u.network, u.seed, protocol, args.steps),
-                             device="cpu")
-            log(f"{i + 1}/{len(units)} {unit.name}: metric {value['metric']:.4g} ({value['ms_per_step']:.1f} ms/step)")
-        records.append({"task": unit.task.kind, "dim": unit.task.dim, "a": unit.task.a, "network": unit.network,
-                        "seed": unit.seed, **value})
-    return records
+            return saved["value"] if saved and saved["settings"] == settings else None
+        value = recorded(path, settings, compute, device="cpu")
+        log(f"{name}: RMSE {value['metric']:.4g} at {value['steps']} steps, lr {value['lr']:g} "
+            f"({value['cpu_ms_per_step']:.1f} CPU ms/step)")
+        return value
+
+    selection = [unit(f"{stem}_lr{lr:g}_s0", {"lr": lr},
+                      lambda lr=lr: train(task, network, spend, 0, lr, proto)) for lr in training["lr_grid"]]
+    if None in selection:
+        return None
+    best = chosen(selection)
+    runs = [best] + [unit(f"{stem}_s{seed}", {"lr": best["lr"], "steps": best["steps"]},
+                          lambda s=seed: train(task, network, spend, s, best["lr"], proto, steps=best["steps"]))
+                     for seed in range(1, args.seeds)]
+    return [r for r in runs if r is not None]  # under --report-only, the seeds recorded so far
 
 
-def tables(rows: list[dict], compared: list[dict], judged: list[dict], protocol: dict, off: dict) -> list[Table]:
-    budget = protocol["budget"]
-    main = Table("results", "Held-out metric (seed mean ± standard error) and diagnostics", [
-        Column("task", "task"), Column("dim", "d"), Column("a", "slope a_d", ".3g"), Column("network", "network"),
-        Column("seeds", "seeds"), Column("metric_cell", "metric"), Column("untrained_cell", "untrained"),
-        Column("control", "trivial", ".3g"), Column("still_falling", "seeds still falling"),
-        Column("slope_cell", "largest slope"), Column("lipschitz_cap", "Lipschitz cap", ".3g"),
-        Column("parameters", "params"), Column("spectral", "max ||W||_2", ".3f"), Column("max_abs", "max |w|", ".2f"),
-        Column("solver_iters", "solver iters", ".1f"), Column("capped_solves", "capped solves", ".3f"),
-        Column("contraction", "contraction", ".3f"), Column("derivative_error", "phantom deriv. err.", ".2g"),
-        Column("gradient_error", "grad. err. vs unrolled", ".2g"), Column("ms_per_step", "ms / step", ".1f"),
-    ], rows, notes=[
-        "metric: RMSE (regression) or Fisher divergence (score) on "
-        f"{protocol['evaluation']['samples']} held-out exact samples; untrained: the same network at initialisation; "
-        "trivial: predicting 0 (regression) or the Gaussian score -x (score).",
-        f"Every weight matrix has spectral norm <= {budget['weight_spectral_bound']:g}, the DEQ's recurrent matrix <= "
-        f"{budget['deq_contraction_bound']:g}; Lipschitz cap: B^(L+1) or B^2 / (1 - gamma); largest slope: "
-        "max |d y_1 / d x_1| over 2048 held-out samples.",
-        f"seeds still falling: held-out metric down by more than {protocol['flattened']['relative_drop']:.0%} over "
-        f"the last {protocol['flattened']['window']:.0%} of the steps (the budget did not finish that run).",
-        "DEQ diagnostics on the final weights (largest over seeds): contraction at the fixed point, the phantom "
-        "steps' input-derivative error against the implicit derivative, the objective's parameter-gradient error "
-        "against an unrolled solve, and the share of training solves that stopped at max_iter.",
+COLUMNS = [
+    Column("dim", "d"), Column("a", "slope a_d", ".3g"), Column("budget", "budget"), Column("network", "network"),
+    Column("seeds", "seeds"), Column("metric_cell", "test RMSE"), Column("floor", "floor", ".3g"),
+    Column("above_floor", "RMSE / floor", ".2f"), Column("at_floor", "at floor"),
+    Column("still_falling", "seeds still falling"), Column("status", "decides"), Column("lr", "lr", "g"),
+    Column("steps", "steps"), Column("untrained", "untrained", ".3g"), Column("control", "trivial", ".3g"),
+    Column("lipschitz_budget", "Lipschitz budget", ".4g"), Column("layer_cap", "per-layer cap", ".3f"),
+    Column("spectral_product", "trained bound", ".4g"), Column("max_spectral", "max ||W||_2", ".3f"),
+    Column("slope_cell", "largest slope"), Column("parameters", "params"), Column("gamma", "gamma", ".6g"),
+    Column("phantom_steps", "phantom K"), Column("solver_iters", "solver iters", ".1f"),
+    Column("capped_solves", "capped solves", ".3f"), Column("contraction", "contraction", ".3f"),
+    Column("derivative_error", "phantom deriv. err.", ".2g"), Column("gradient_error", "grad. err.", ".2g"),
+    Column("cpu_ms_per_step", "CPU ms / step (with validation)", ".1f"),
+]
+
+
+def tables(arms: list[dict], compared: list[dict], judged: list[dict], protocol: dict, missing: list,
+           off: dict) -> list[Table]:
+    want = protocol["seeds"]
+    for arm in arms:
+        arm["status"] = ("no: " + ", ".join(w for w, bad in [("still falling", arm["still_falling"]),
+                                                            ("far above floor", not arm["at_floor"])] if bad)
+                         if arm["marked"] else "yes") + ("" if arm["seeds"] >= want else f" (interim: {arm['seeds']}"
+                                                         f" of {want} seeds)")
+    main = Table("arms", "Every arm: test RMSE (seed mean ± standard error), its floor, its curve, its budget", COLUMNS,
+                 arms, notes=[
+        "floor: the least RMSE any network within the arm's Lipschitz budget can reach, that of the clipped fit "
+        "sign(x_1) min(budget |x_1|, tanh(a_d |x_1|)); at floor: RMSE <= 1.5 floor + 0.01. decides: 'no' for an "
+        "arm with a seed still falling (validation RMSE down > 5 % over the last 20 % of steps) or far above its "
+        "floor; such an arm decides no comparison.",
+        "budget: control (the DEQ's gamma = 0.9, Lipschitz 40) or steep (gamma_d = max(0.9, 1 - 4 / (2 a_d)), "
+        "Lipschitz max(40, 2 a_d)); every network of a comparison shares it: a feed-forward network's per-layer "
+        "cap is budget^(1 / (L + 1)). trained bound: the product of the trained weights' spectral norms "
+        "(the DEQ's ||U|| ||V|| / (1 - ||W||)). lr and steps: chosen on the validation split (seed 0).",
+        "untrained: the network at initialisation; trivial: predicting 0. DEQ diagnostics on the final weights "
+        "(largest over seeds): contraction at the fixed point, the phantom derivative's error against the "
+        "implicit one, the parameter-gradient error against an unrolled solve.",
+        *([f"Not yet run (or selection incomplete): {', '.join(f'{b} d={d} {n}' for b, d, n in missing)}."]
+          if missing else []),
         *([f"Off protocol: {off}."] if off else []),
     ])
+    steep = [a for a in arms if a["network"].startswith("deq")]
+    norms = Table("deq_norms", "The DEQs' weights against d (seed means; max norms: largest over seeds)", [
+        Column("dim", "d"), Column("budget", "budget"), Column("gamma", "gamma cap", ".6g"),
+        Column("recurrent_norm", "||W||_2", ".4f"), Column("max_spectral", "max ||U||, ||V||, ||W||", ".3f"),
+        Column("spectral_product", "||U|| ||V|| / (1 - ||W||)", ".4g"), Column("max_abs", "max |w|", ".3f"),
+        Column("slope_cell", "largest slope"), Column("phantom_steps", "phantom K"),
+        Column("solver_iters", "solver iters", ".1f"),
+    ], sorted(steep, key=lambda a: (a["budget"], a["dim"])))
     margin = protocol["rule"]["margin_log10"]
-    comp = Table("comparisons", f"DEQ against each feed-forward network (log10 metric, margin {margin:g})", [
-        Column("task", "task"), Column("dim", "d"), Column("ffn", "network"), Column("d", "FFN − DEQ", ".3f"),
-        Column("se", "s.e.", ".3f"), Column("lower", "L", ".3f"), Column("upper", "U", ".3f"),
-        Column("outcome", "outcome"), Column("seeds_needed", "seeds per arm for a decision"),
-    ], compared, notes=["Positive: the DEQ's error is lower. deq_better: L > margin; ffn_better: U < -margin; "
-                        "equivalent: both bounds within the margin; inconclusive otherwise.",
-                        "Seeds per arm for a decision (inconclusive rows): those at which a DEQ truly equal to the "
-                        "other network would be shown no worse than the margin (one side of the equivalence) with "
-                        "80 % power at the measured spreads (deqlab.study.verdict.seeds_needed); '-' beyond "
-                        "1000."])
+    comp = Table("comparisons", f"Arm A against arm B (log10 test RMSE, margin {margin:g})", [
+        Column("dim", "d"), Column("a", "A"), Column("b", "B"), Column("d", "B − A", ".3f"),
+        Column("se", "s.e.", ".3f"),
+        Column("lower", "L", ".3f"), Column("upper", "U", ".3f"), Column("outcome", "outcome"),
+        Column("decides", "decides"), Column("seeds_needed", "seeds per arm for a decision"),
+    ], compared, notes=["Positive: A's error is lower. a_better: L > margin; b_better: U < -margin; equivalent: both "
+                        "bounds within the margin; inconclusive otherwise. decides: both arms unmarked."])
     pred = Table("predictions", "Predictions, stated in the protocol before the runs", [
-        Column("id", "id"), Column("text", "prediction"), Column("verdict", "verdict"), Column("detail", "outcomes"),
-    ], judged)
-    return [main, comp, pred]
+        Column("id", "id"), Column("text", "prediction"), Column("expected", "expected"),
+        Column("verdict", "verdict"), Column("detail", "outcomes"),
+    ], judged, notes=["borne out: every named comparison decides with an expected outcome; contradicted: one "
+                      "decides with another; open: otherwise (an inconclusive or undecided comparison is never "
+                      "borne out)."])
+    return [pred, main, norms, comp]
 
 
-def write(records: list[dict], args: argparse.Namespace, protocol: dict, sha: str) -> dict:
+def write(arms: list[dict], missing: list, args: argparse.Namespace, protocol: dict, sha: str) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = summarise(records)
-    compared = comparisons(rows, protocol["rule"]["margin_log10"])
-    judged = judge(protocol["predictions"], compared)
+    margin = protocol["rule"]["margin_log10"]
+    compared = comparisons(arms, margin)
+    judged = judge(protocol["predictions"], arms, margin)
     off = off_protocol(args, protocol)
-    all_tables = tables(rows, compared, judged, protocol, off)
+    all_tables = tables(arms, compared, judged, protocol, missing, off)
     env = environment(torch.device("cpu"))
-    doc = {"environment": env, "protocol": {"version": protocol["version"], "sha256": sha}, "units": len(records),
-           "off_protocol": off, "sections": {t.name: t.as_dict() for t in all_tables}}
-    md = ["# DEQ against constant-depth feed-forward networks on steep functions of one coordinate", ""]
+    doc = {"environment": env, "protocol": {"version": protocol["version"], "sha256": sha}, "arms": len(arms),
+           "missing": missing, "off_protocol": off, "sections": {t.name: t.as_dict() for t in all_tables}}
+    md = ["# DEQ against feed-forward networks under one Lipschitz budget, each trained to its floor", ""]
     md += [f"* **{k}**: {v}" for k, v in env.items()]
-    md += [f"* **protocol**: version {protocol['version']}, SHA-256 {sha[:12]}…; {len(records)} units", ""]
+    md += [f"* **protocol**: version {protocol['version']}, SHA-256 {sha[:12]}…; {len(arms)} of "
+           f"{len(plan(protocol))} arms with units" + (" (interim: the rest not yet run)" if missing else ""), ""]
     md += [table_markdown(t) for t in all_tables]
     (out / "deq_vs_ffn.md").write_text("\n".join(md) + "\n")
     (out / "deq_vs_ffn.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
@@ -239,47 +194,52 @@ def write(records: list[dict], args: argparse.Namespace, protocol: dict, sha: st
 
 def off_protocol(args: argparse.Namespace, protocol: dict) -> dict:
     """The options that depart from the protocol (a run with any is a smoke run, not the study)."""
-    c = protocol["construction"]
-    given = {"steps": args.steps, "seeds": args.seeds, "dims": args.dims, "tasks": list(args.tasks),
-             "networks": list(args.networks)}
-    wanted = {"steps": protocol["training"]["steps"], "seeds": protocol["seeds"], "dims": c["dims"],
-              "tasks": list(TASKS), "networks": [k for k in protocol["networks"] if k != "deq_width"]}
-    return {k: v for k, v in given.items() if v != wanted[k]}
+    off = dict(args.overrides)
+    if args.seeds != protocol["seeds"]:
+        off["seeds"] = args.seeds
+    if args.only:
+        off["only"] = [":".join(map(str, a)) for a in args.only]
+    return off
 
 
-def _list(kind: Callable[[str], object], choices: tuple | None = None) -> Callable[[str], list]:
-    def parse(text: str) -> list:
-        values = [kind(v) for v in text.split(",") if v]
-        if choices is not None and (bad := [v for v in values if v not in choices]):
-            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(map(str, choices))}")
-        return values
-    return parse
-
-
-def _shard(text: str) -> tuple[int, int]:
-    index, _, count = text.partition("/")
-    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
-        raise argparse.ArgumentTypeError(f"--shard wants I/N with 0 <= I < N, got {text!r}")
-    return int(index), int(count)
+def _arm(text: str) -> tuple[str, int, str]:
+    kind, _, rest = text.partition(":")
+    dim, _, network = rest.partition(":")
+    if not dim.isdigit() or not network:
+        raise argparse.ArgumentTypeError(f"--only wants budget:d:network, got {text!r}")
+    return kind, int(dim), network
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     protocol, _ = load_protocol()
-    networks = tuple(k for k in protocol["networks"] if k != "deq_width")
-    parser.add_argument("--tasks", type=_list(str, TASKS), default=list(TASKS))
-    parser.add_argument("--dims", type=_list(int), default=protocol["construction"]["dims"])
-    parser.add_argument("--networks", type=_list(str, networks), default=list(networks))
+    parser.add_argument("--only", type=lambda t: [_arm(v) for v in t.split(",") if v], default=None,
+                        help="budget:d:network,...: these arms of the protocol only")
     parser.add_argument("--seeds", type=int, default=protocol["seeds"])
-    parser.add_argument("--steps", type=int, default=protocol["training"]["steps"])
-    parser.add_argument("--shard", type=_shard, default=(0, 1), help="I/N: run every N-th unit from the I-th")
+    parser.add_argument("--start-steps", type=int, default=None)
+    parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--lrs", type=lambda t: [float(v) for v in t.split(",") if v], default=None)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=DEFAULT_OUT)
-    parser.add_argument("--report-only", action="store_true", help="tables from the units on disk; train nothing")
+    parser.add_argument("--report-only", action="store_true", help="the page from the units on disk; train nothing")
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
     """The protocol's units ``args`` selects (resumed from those on disk) and their report."""
     protocol, sha = load_protocol()
     torch.set_num_threads(args.threads)
-    records = run_all(args, protocol, sha)
-    return write(records, args, protocol, sha)
+    if args.only and (bad := [a for a in args.only if a not in plan(protocol)]):
+        parser.error(f"--only: {bad[0]} is not an arm of the protocol")
+    given = {"start_steps": args.start_steps, "max_steps": args.max_steps, "lr_grid": args.lrs}
+    args.overrides = {k: v for k, v in given.items() if v is not None and v != protocol["training"][k]}
+    if args.overrides.get("start_steps", 1) < 1 or args.overrides.get("max_steps", 1) < 1 or args.seeds < 1:
+        parser.error("--start-steps, --max-steps and --seeds want positive counts")
+    arms, missing = [], []
+    for arm in args.only or plan(protocol):
+        runs = run_arm(arm, args, protocol, sha)
+        if runs:
+            arms.append({"a": slope(arm[1], protocol), **summarise_arm(*arm, runs)})
+        else:
+            missing.append(arm)
+    if not args.report_only:
+        log(f"{len(arms)} arms done")
+    return write(arms, missing, args, protocol, sha)

@@ -1,5 +1,6 @@
-"""The study's tasks (steep along one coordinate, with exact samples and targets) and its networks under one
-weight-norm budget: a DEQ on deqscore's layer and constant-depth tanh networks with its parameter count."""
+"""The study's tasks (steep along one coordinate, with exact samples and targets), its networks (a DEQ on deqscore's
+layer, tanh networks matched to its parameter count or its FLOPs) under one Lipschitz budget per comparison, and the
+budget's provable floor."""
 
 from __future__ import annotations
 
@@ -99,6 +100,7 @@ class DEQNet(nn.Module):
         self.inp = capped(nn.Linear(dim, width), bound)
         self.deq = DEQ(TanhMap(width, gamma), warn_on_nonconvergence=False, **deq)
         self.out = capped(nn.Linear(width, out_dim), bound)
+        self.layer_cap, self.gamma = bound, gamma
         self.lipschitz_cap = bound**2 / (1.0 - gamma)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -119,7 +121,7 @@ class FFN(nn.Module):
         for i in range(depth):
             layers += [capped(nn.Linear(dim if i == 0 else width, width), bound), nn.Tanh()]
         self.body = nn.Sequential(*layers, capped(nn.Linear(width, out_dim), bound))
-        self.lipschitz_cap = bound ** (depth + 1)
+        self.layer_cap, self.lipschitz_cap = bound, bound ** (depth + 1)
 
     def forward(self, x: Tensor) -> Tensor:
         with parametrize.cached():
@@ -141,23 +143,88 @@ def matched_width(dim: int, out_dim: int, depth: int, target: int) -> int:
                key=lambda w: abs(ffn_parameters(dim, out_dim, w, depth) - target))
 
 
-def build(network: str, task: Task, protocol: dict) -> nn.Module:
-    """``"deq"`` or ``"ffn<depth>"`` (the latter matched to the DEQ's parameter count)."""
-    budget, width = protocol["budget"], protocol["networks"]["deq_width"]
-    bound, gamma = budget["weight_spectral_bound"], budget["deq_contraction_bound"]
-    deq = DEQNet(task.dim, task.out_dim, width, bound, gamma, protocol["deq"])
-    if network == "deq":
+FLOP_MATCHED_DEPTH = 54  # the protocol's ffn54: width 48 like the DEQ, one layer per DEQ iteration or phantom step
+
+
+@dataclass(frozen=True)
+class Budget:
+    """One comparison's Lipschitz budget: the DEQ's ``B``, ``gamma``, phantom steps and iteration cap, and the
+    bound ``lipschitz = B^2 / (1 - gamma)`` that every network of the comparison shares."""
+
+    bound: float
+    gamma: float
+    phantom_steps: int
+    max_iter: int
+
+    @property
+    def lipschitz(self) -> float:
+        return self.bound**2 / (1.0 - self.gamma)
+
+    def layer_cap(self, depth: int) -> float:
+        """The per-matrix cap of a feed-forward network of ``depth`` hidden layers: its ``depth + 1`` caps multiply
+        to the budget."""
+        return self.lipschitz ** (1.0 / (depth + 1))
+
+
+def budget(kind: str, a: float, protocol: dict) -> Budget:
+    """The protocol's ``"control"`` budget (gamma fixed) or its ``"steep"`` one at slope ``a``:
+    ``gamma = max(gamma_0, 1 - B^2 / (2 a))``, phantom steps ``ceil(40 ln 0.9 / ln gamma)`` (``gamma^K`` no larger
+    than the control's) and ``max_iter = ceil(200 (1 - 0.9) / (1 - gamma))``.
+
+    >>> p = {"budget": {"deq_weight_bound": 2.0, "control_gamma": 0.9}}
+    >>> b = budget("steep", 256.0, p); b.gamma, b.lipschitz, b.phantom_steps, b.max_iter
+    (0.9921875, 512.0, 538, 2560)
+    >>> budget("steep", 16.0, p) == budget("control", 256.0, p)
+    True
+    """
+    spec = protocol["budget"]
+    bound, gamma0 = spec["deq_weight_bound"], spec["control_gamma"]
+    gamma = gamma0 if kind == "control" else max(gamma0, 1.0 - bound**2 / (2.0 * a))
+    steps = math.ceil(40 * math.log(gamma0) / math.log(gamma) - 1e-9)
+    max_iter = math.ceil(200 * (1 - gamma0) / (1 - gamma) - 1e-9)
+    return Budget(bound, gamma, steps, max_iter)
+
+
+def build(network: str, task: Task, spend: Budget, protocol: dict) -> nn.Module:
+    """``"deq"``/``"deq_steep"`` (the DEQ under ``spend``), ``"ffn54"`` (width of the DEQ, 54 layers: matched in FLOPs)
+    or ``"ffn<depth>"`` (matched to the DEQ's parameter count), every network's bound ``spend.lipschitz``."""
+    width = protocol["networks"]["deq_width"]
+    deq_opts = {**protocol["deq"], "phantom_steps": spend.phantom_steps, "max_iter": spend.max_iter}
+    deq = DEQNet(task.dim, task.out_dim, width, spend.bound, spend.gamma, deq_opts)
+    if network.startswith("deq"):
         return deq
     depth = int(network[3:])
-    width = matched_width(task.dim, task.out_dim, depth, parameter_count(deq))
-    return FFN(task.dim, task.out_dim, width, depth, bound)
+    if depth != FLOP_MATCHED_DEPTH:
+        width = matched_width(task.dim, task.out_dim, depth, parameter_count(deq))
+    return FFN(task.dim, task.out_dim, width, depth, spend.layer_cap(depth))
+
+
+def clipped_fit_floor(a: float, lipschitz: float, points: int = 200_001) -> float:
+    """The least RMSE of a ``lipschitz``-Lipschitz function of ``x ~ N(0, I)`` against ``tanh(a x_1)``: that of
+    ``sign(x_1) min(L |x_1|, tanh(a |x_1|))`` (Simpson's rule on |x_1| in [0, 12]; 0 when ``L >= a``)."""
+    if lipschitz >= a:
+        return 0.0
+    x = torch.linspace(0.0, 12.0, points, dtype=torch.float64)
+    target = torch.tanh(a * x)
+    gap = (target - torch.minimum(lipschitz * x, target)).pow(2) * torch.exp(-x * x / 2) * math.sqrt(2 / math.pi)
+    weights = torch.ones(points, dtype=torch.float64)
+    weights[1:-1:2], weights[2:-1:2] = 4.0, 2.0
+    return math.sqrt(float((gap * weights).sum() * (x[1] - x[0]) / 3))
 
 
 def weight_norms(net: nn.Module) -> dict[str, float]:
-    """The largest spectral norm and the largest entry over the (capped) weight matrices."""
+    """The largest spectral norm and the largest entry over the (capped) weight matrices, and the product of the
+    spectral norms (the trained network's Lipschitz bound, the DEQ's as ``||U|| ||V|| / (1 - ||W||)``)."""
+    norms = {name: float(torch.linalg.matrix_norm(m.weight.detach(), ord=2))
+             for name, m in net.named_modules() if isinstance(m, nn.Linear)}
+    if isinstance(net, DEQNet):
+        recurrent = norms.pop("deq.func.lin")
+        product = math.prod(norms.values()) / (1.0 - recurrent)
+    else:
+        recurrent, product = None, math.prod(norms.values())
     weights = [m.weight.detach() for m in net.modules() if isinstance(m, nn.Linear)]
-    return {"max_spectral_norm": max(float(torch.linalg.matrix_norm(w, ord=2)) for w in weights),
-            "max_abs_weight": max(float(w.abs().max()) for w in weights)}
+    return {"max_spectral_norm": max([*norms.values(), recurrent or 0.0]), "recurrent_norm": recurrent,
+            "spectral_product": product, "max_abs_weight": max(float(w.abs().max()) for w in weights)}
 
 
 def largest_slope(net: nn.Module, x: Tensor) -> float:
