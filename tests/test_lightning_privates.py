@@ -300,10 +300,11 @@ def _private_uses(path, own):
 
 
 #: torch's own privates outside torch.utils.data, which this module does not cover: nn.Module._apply (the hook
-#: every ``.to()`` goes through) and the legacy-vmap batch dimensions of the implicit backward (deq/implicit.py)
+#: every ``.to()`` goes through), and in the implicit backward (deq/implicit.py) the legacy-vmap batch dimensions and
+#: the engine's plan (whether a backward will use a gradient edge; unreadable, every partial is computed: still exact)
 TORCH_PRIVATES = {"ncsn.py": {"._apply"}, "implicit.py": {"._C", "._vmapmode_increment_nesting",
                                                           "._vmapmode_decrement_nesting", "._remove_batch_dim",
-                                                          "._add_batch_dim"}}
+                                                          "._add_batch_dim", "._will_engine_execute_node"}}
 
 
 def test_no_module_but_privates_uses_another_librarys_private():

@@ -29,6 +29,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 from torch._C._functorch import is_legacy_batchedtensor
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.func import functional_call, vjp
 
 Value = Callable[..., Tensor]  # value(z, *tensors) -> f(z; tensors), differentiable in all its arguments
@@ -44,22 +45,25 @@ class LevelHost(Protocol):
 class Level:
     """One fixed-point problem ``z = value(z, *tensors)`` of the nest (``outer``: the level it is the adjoint of).
 
-    ``additive``: the indices of the tensors that enter ``value`` only as an added term (``value = h(z, ...) + t``):
-    no derivative of ``value`` depends on their values, so the Function saves a zero placeholder for them (no
-    memory). A map ``f(z, u) = h(z) + u`` declares it (``additive_injection = True``); an adjoint map
-    ``pull(w) + g`` always has it for ``g``, and inherits its outer level's (shifted past ``z`` and ``g``)."""
+    ``additive``: the indices of the tensors that enter ``value`` only as an added term (``value = h(z, ...) + t``,
+    ``t`` of the output's shape): the vector-Jacobian product in ``t`` is the vector itself. ``absent``: those
+    ``value`` does not depend on. No derivative depends on the values of either, so the Function saves a zero
+    placeholder for them (no memory). A map ``f(z, u) = h(z) + u`` declares ``u`` additive
+    (``additive_injection = True``); an adjoint map ``pull(w) + g`` has ``g`` additive, and its outer level's
+    additive and absent tensors (shifted past ``z`` and ``g``) absent: ``pull`` is a derivative in ``z``."""
 
     def __init__(self, host: LevelHost, value: Value, index: int = 0, outer: Level | None = None,
-                 additive: frozenset[int] = frozenset()):
-        self.host, self.value, self.index, self.outer, self.additive = host, value, index, outer, additive
+                 additive: frozenset[int] = frozenset(), absent: frozenset[int] = frozenset()):
+        self.host, self.value, self.index, self.outer = host, value, index, outer
+        self.additive, self.absent = additive, absent
         self._adjoint: Level | None = None
 
     def adjoint(self) -> Level:
         """The problem ``w = A(w; z, g, *tensors) = vjp_z value(z, *tensors) [w] + g`` (built once, then kept)."""
         if self._adjoint is None:
-            additive = frozenset({1} | {i + 2 for i in self.additive})
+            absent = frozenset(i + 2 for i in self.additive | self.absent)
             self._adjoint = Level(self.host, _adjoint_value(self.value), self.index + 1, outer=self,
-                                  additive=additive)
+                                  additive=frozenset({1}), absent=absent)
         return self._adjoint
 
     def step(self, tensors: Sequence[Tensor]) -> Callable[[Tensor], Tensor]:
@@ -74,7 +78,10 @@ class Level:
     def solve(self, tensors: Sequence[Tensor], start: Tensor | None) -> Tensor:
         like = tensors[0] if self.outer is None else tensors[1]  # the input u, or the incoming gradient
         with torch.no_grad():
-            return self.host.solve_level(self.index, self.step(tensors), like, start)
+            z = self.host.solve_level(self.index, self.step(tensors), like, start)
+        # a solver may return a view of its history (Anderson's images): the Function saves its output, which
+        # would keep the whole history alive until the step's backward
+        return z.clone() if z.untyped_storage().nbytes() > z.numel() * z.element_size() else z
 
 
 def _adjoint_value(value: Value) -> Value:
@@ -97,7 +104,9 @@ class FixedPoint(torch.autograd.Function):
     def setup_context(ctx, inputs: tuple, output: Tensor) -> None:
         level, _, *tensors = inputs
         ctx.level = level
-        for i in level.additive:  # what the backward computes does not depend on their values (Level)
+        # where each input's gradient goes: a partial the engine will not use is not computed (_wanted)
+        ctx.edges = [_edge(t) for t in tensors]
+        for i in level.additive | level.absent:  # what the backward computes does not depend on their values
             tensors[i] = tensors[i].new_zeros(()).expand_as(tensors[i])
         ctx.save_for_backward(output, *tensors)
 
@@ -117,7 +126,7 @@ class FixedPoint(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
         z, *tensors = ctx.saved_tensors
-        needed = ctx.needs_input_grad[2:]
+        needed = [need and _wanted(edge) for need, edge in zip(ctx.needs_input_grad[2:], ctx.edges, strict=True)]
         with torch.autocast(z.device.type, enabled=False):  # the nest runs in the forward's (float32) precision
             if is_legacy_batchedtensor(grad):  # autograd.grad(..., is_grads_batched=True)
                 parts = _per_entry(lambda g: _pullback(ctx.level, needed, z, tensors, g), grad)
@@ -131,8 +140,15 @@ def _pullback(level: Level, needed: Sequence[bool], z: Tensor, tensors: Sequence
     """``vjp_{tensors} value(z*, tensors) [w]`` with ``w = J^T w + grad`` solved by :class:`FixedPoint` (so that a
     derivative of this is again an implicit solve); None for the tensors that need no gradient."""
     w = FixedPoint.apply(level.adjoint(), None, z, grad.to(z.dtype), *tensors)
-    wanted = [i for i, need in enumerate(needed) if need]
     parts: list[Tensor | None] = [None] * len(tensors)
+    wanted = []
+    for i, need in enumerate(needed):
+        if not need or i in level.absent:
+            continue
+        if i in level.additive and tensors[i].shape == w.shape:
+            parts[i] = w  # vjp of an added term: the vector itself (no evaluation of the map recorded for it)
+        else:
+            wanted.append(i)
     if not wanted:
         return parts
 
@@ -146,6 +162,25 @@ def _pullback(level: Level, needed: Sequence[bool], z: Tensor, tensors: Sequence
     for i, part in zip(wanted, pull(w), strict=True):
         parts[i] = part
     return parts
+
+
+def _edge(t: Tensor) -> GradientEdge | bool:
+    """Where ``t``'s gradient goes (False: nowhere; True: unknown, a view made under no_grad)."""
+    if not t.requires_grad:
+        return False
+    return get_gradient_edge(t) if t.grad_fn is not None or t.is_leaf else True
+
+
+def _wanted(edge: GradientEdge | bool) -> bool:
+    """Whether the running backward will use the gradient sent along ``edge``: ``autograd.grad(..., inputs)``
+    skips what does not lead to its inputs (the score's input gradient needs no parameter partial). Unknown (a leaf
+    under ``autograd.grad``, which the engine cannot tell) counts as used."""
+    if isinstance(edge, bool):
+        return edge
+    try:
+        return bool(torch._C._will_engine_execute_node(edge.node))
+    except RuntimeError:
+        return True
 
 
 def _per_entry(pullback: Callable[[Tensor], list[Tensor | None]], grad: Tensor) -> list[Tensor | None]:

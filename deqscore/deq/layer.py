@@ -305,7 +305,10 @@ class DEQ(nn.Module):
             named = [(n, p) for n, p in self.func.named_parameters() if p.requires_grad]
             additive = frozenset({0}) if getattr(self.func, "additive_injection", False) else frozenset()
             level = Level(self, map_value(self.func, [n for n, _ in named]), additive=additive)
-            return FixedPoint.apply(level, cast(z_init), u, *(p for _, p in named))
+            # as views, not leaves: the engine can then tell whether a backward uses their partials (implicit._wanted);
+            # under no_grad a view would have no gradient function, and no backward comes
+            params = (p.view_as(p) if torch.is_grad_enabled() else p for _, p in named)
+            return FixedPoint.apply(level, cast(z_init), u, *params)
 
     def solve_level(self, level: int, step: Callable[[torch.Tensor], torch.Tensor], like: torch.Tensor,
                     start: torch.Tensor | None) -> torch.Tensor:

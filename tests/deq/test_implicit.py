@@ -174,3 +174,29 @@ def test_exact_gradients_is_the_unrolled_gradient_of_a_phantom_model_and_leaves_
         want = torch.autograd.grad(objective(), params)
     assert deq.backward == "phantom" and _rel(grads, want) < 1e-9
     assert _rel(torch.autograd.grad(objective(), params), want) > 1e-2  # the phantom gradient is another one
+
+
+class _AddedInputTanhMap(TanhMap):
+    """``f(z, u) = tanh(W z) + u``: ``u`` enters as an added term."""
+
+    additive_injection = True
+
+    def forward(self, z, u):
+        return torch.tanh(z @ self.weight.T) + u
+
+
+def test_an_input_gradient_records_only_the_fixed_point_and_its_adjoint():
+    """The score's input gradient (create_graph) needs no partial in the map's parameters, and the partial in an
+    added input is the adjoint solution itself: the graph holds z* and w, no evaluation of the map."""
+    torch.manual_seed(0)
+    deq = DEQ(_AddedInputTanhMap(D, 0.6), backward="implicit", solver="anderson", tol=1e-12, max_iter=500)
+    x = _x()
+    with SavedTensorMeter(exclude=deq.parameters()) as meter:
+        (s,) = torch.autograd.grad(deq(x).pow(2).sum() / 2, x, create_graph=True)
+    # z* (which pow saves too) and w, each of its own size (plus the zero placeholders' 8 bytes each): no room for
+    # a third [B, D] tensor, which any evaluation of the map would save
+    assert 2 * x.numel() * x.element_size() <= meter.bytes < 3 * x.numel() * x.element_size()
+    unrolled = DEQ(_AddedInputTanhMap(D, 0.6), backward="unroll", solver="picard", tol=1e-13, max_iter=3000)
+    unrolled.load_state_dict(deq.state_dict())
+    (exact,) = torch.autograd.grad(unrolled(x).pow(2).sum() / 2, x)
+    assert _rel([s], [exact]) < 1e-9
