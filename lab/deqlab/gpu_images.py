@@ -49,12 +49,14 @@ class ImageFamily:
 
 
 _NCSN_QUICK = {"net.ngf": 4, "n_levels": 3, "sampler.n_steps_each": 2}
+_EDM_QUICK = {"net.ngf": 4, "sampler.num_steps": 2}
 IMAGE_FAMILIES = (
     ImageFamily("ncsn", {"explicit": "configs/ncsn/explicit_mnist.yaml", "DEQ": "configs/ncsn/deq_mnist.yaml"},
                 {"net.dim": 784, "sampler.progress": False},
                 {"explicit": _NCSN_QUICK, "DEQ": {**_NCSN_QUICK, "net.deq.max_iter": 8}}),
     ImageFamily("edm", {"explicit": "configs/edm/explicit_mnist.yaml", "DEQ": "configs/edm/deq_mnist.yaml"},
-                {"net.dim": 784}),
+                {"net.dim": 784, "sampler.progress": False},
+                {"explicit": _EDM_QUICK, "DEQ": {**_EDM_QUICK, "net.deq.max_iter": 8}}),
 )
 
 
@@ -111,11 +113,10 @@ def train(module, config: str, data: torch.Tensor, plan: ImagePlan, budget_s: fl
 def sample(module, plan: ImagePlan, device: torch.device) -> tuple[torch.Tensor, dict]:
     """Samples of ``module`` through its sampler, as many as fit the sampling budget (estimated from one cold
     network evaluation per sampler step), as images ``[n, C, H, W]`` in [0, 1]."""
-    sampler = module.sampler
-    evaluations = len(module.sigmas) * sampler.n_steps_each + int(getattr(sampler, "final_denoise", False))
+    evaluations, middle = _sampler_schedule(module)
     module.eval()
     probe = torch.rand(plan.samples, module.net.dim, device=device)
-    level = torch.full((plan.samples,), float(module.sigmas[len(module.sigmas) // 2]), device=device)
+    level = torch.full((plan.samples,), middle, device=device)
     with torch.no_grad():
         _, eval_s = wall(lambda: module.net(probe, level), device)
     estimate = eval_s * evaluations
@@ -129,6 +130,18 @@ def sample(module, plan: ImagePlan, device: torch.device) -> tuple[torch.Tensor,
     return images, {"samples": n, "evaluations": evaluations, "sample_s": seconds,
                     "pixel_max_mean": float(images.flatten(1).amax(1).mean()),
                     "pixel_mean": float(images.mean())}
+
+
+def _sampler_schedule(module) -> tuple[int, float]:
+    """Network evaluations per sample of ``module``'s sampler and a noise level in the middle of its schedule: a
+    sampler that states its evaluations and levels (EDM's Heun) says both; annealed Langevin runs ``n_steps_each``
+    steps at each of the module's levels (and a final denoising step where it has one)."""
+    sampler = module.sampler
+    if hasattr(sampler, "evaluations"):
+        levels = sampler.sigmas()[:-1]  # the last level is 0, never evaluated
+        return sampler.evaluations, float(levels[len(levels) // 2])
+    evaluations = len(module.sigmas) * sampler.n_steps_each + int(getattr(sampler, "final_denoise", False))
+    return evaluations, float(module.sigmas[len(module.sigmas) // 2])
 
 
 def score(features: torch.Tensor, reference: torch.Tensor, seed: int, fid: bool = True) -> dict:

@@ -9,10 +9,8 @@ import torch
 from torch import nn
 
 from deqscore.deq import DEQ
-from deqscore.families import declarations
 from deqscore.metrics import SavedTensorMeter, step_activation_bytes
-
-PROBES = {name: d.phantom_probe for name, d in declarations().items() if d.phantom_probe}
+from tests.deq.test_family_phantom import FAMILIES as PROBES
 
 
 def _loss(lin: nn.Linear, x: torch.Tensor, create_graph: bool) -> torch.Tensor:

@@ -1,0 +1,100 @@
+"""EDM denoisers (Karras et al. 2022) with explicit or DEQ bodies: trained by EDM's denoising loss, sampled by its
+deterministic Heun sampler (:mod:`deqscore.models.edm`, :class:`deqscore.sampling.heun.EDMHeun`).
+
+Images come as ``pixels`` (``k / 255`` in ``[0, 1]``) and are mapped to ``[-1, 1]`` (``2x - 1``), where the noise
+levels, ``sigma_data = 0.5`` and the sampler's ``sigma_max = 80`` are meant; samples are mapped back. Each
+training sample draws ``ln sigma ~ N(p_mean, p_std^2)``; validation and test report the same loss with fixed
+draws (the run's seeding), the held-out denoising loss.
+
+The loss is first-order in the network's output, so a DEQ body may use ``backward: ift`` or ``implicit`` (both
+exact) or ``phantom``. While sampling, each DEQ solve starts from the previous evaluation's fixed point (the next Heun
+evaluation is at the same or a nearby noise level and input); :meth:`EDMModule.sampling_cost` counts network
+evaluations per sample and solver iterations per evaluation, cold or warm.
+
+Config::
+
+    model:
+      class_path: deqscore.lightning.edm.EDMModule
+      init_args:
+        net: {class_path: deqscore.models.edm.EDM, init_args: {channels: 1, ngf: 32, body: deq}}
+        sampler: {class_path: deqscore.sampling.heun.EDMHeun, init_args: {num_steps: 18}}
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..data.protocol import ImageData
+from ..errors import ConfigError
+from ..models.edm import EDM, EDMLoss
+from ..sampling.cost import counting_cost
+from ..sampling.heun import EDMHeun
+from .base import ScoreModule
+
+
+class EDMModule(ScoreModule):
+    """LightningModule around :class:`deqscore.models.edm.EDM`."""
+
+    def __init__(
+        self,
+        net: EDM,  # the denoiser, with its body and DEQ options
+        p_mean: float = -1.2,  # mean of ln sigma in training
+        p_std: float = 1.2,  # standard deviation of ln sigma in training
+        sampler: EDMHeun | None = None,  # Heun sampler options (None: EDMHeun's defaults, 18 steps)
+    ):
+        super().__init__()
+        self.net = net
+        self.loss = EDMLoss(net.sigma_data, p_mean, p_std)
+        self.sampler = sampler or EDMHeun()
+
+    def check_run(self, trainer, datamodule) -> None:  # noqa: ANN001 - the base's signature
+        if isinstance(datamodule, ImageData) and datamodule.codec.transform != "pixels":
+            raise ConfigError(f"data transform {datamodule.codec.transform!r}: the EDM family takes images as "
+                              "pixels in [0, 1] (set data.init_args.transform: pixels)")
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        codec = self.image_codec
+        if codec is not None and tuple(codec.image_shape) != self.net.image_shape:
+            raise ConfigError(f"EDM net image shape {self.net.image_shape} differs from the data's "
+                              f"{tuple(codec.image_shape)}: set net `channels` to the data's")
+
+    def compute_loss(self, x: torch.Tensor) -> torch.Tensor:
+        return self.loss(self.net, 2 * x - 1)
+
+    @torch.no_grad()
+    def sample(self, n: int, generator: torch.Generator | None = None, warm: bool = True) -> torch.Tensor:
+        """``n`` samples ``[n, dim]`` in ``[0, 1]`` by the Heun sampler, the network in eval mode and (``warm``)
+        each DEQ solve started from the previous evaluation's fixed point; ``x_0`` comes from ``generator``
+        (default: seeded from torch's RNG, so ``torch.manual_seed`` fixes the samples)."""
+        device = next(self.net.parameters()).device
+        if generator is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+            generator = torch.Generator(device=device).manual_seed(seed)
+        was_training = self.net.training
+        layers = self.deq_layers()
+        saved = [(d.warm_start, d.z_cache) for d in layers]
+        self.net.eval()
+        for d in layers:
+            d.warm_start, d.z_cache = warm, None
+        try:
+            y = self.sampler(self.net, (n, self.net.dim), generator, device=device)
+        finally:
+            self.net.train(was_training)
+            for d, (warm_start, cache) in zip(layers, saved, strict=True):
+                d.warm_start, d.z_cache = warm_start, cache
+        return ((y + 1) / 2).clamp(0, 1)
+
+    def sampling_cost(self, n: int = 16, seed: int = 0) -> dict[str, float]:
+        """Network evaluations per sample and DEQ solver iterations per evaluation (summed over the DEQ layers),
+        drawing ``n`` samples from ``seed`` with cold (zero) and warm starts; iterations per sample are their
+        product (counted as ``sample.py`` counts them, :func:`deqscore.sampling.cost.counting_cost`)."""
+        out = {}
+        for warm in (False, True):
+            with counting_cost(self.net) as cost:
+                self.sample(n, torch.Generator(device=next(self.net.parameters()).device).manual_seed(seed), warm)
+            key = "warm" if warm else "cold"
+            out["evaluations_per_sample"] = float(cost.evaluations)  # one batch: each call evaluates every sample
+            out[f"iterations_per_evaluation_{key}"] = cost.iterations_per_evaluation()
+            out[f"iterations_per_sample_{key}"] = cost.iterations_per_evaluation() * cost.evaluations
+        return out
