@@ -301,8 +301,8 @@ def test_a_model_without_images_writes_points_and_refuses_what_needs_images_or_a
     assert out == (f"wrote 5 samples [4] of the 'nice' model to {tmp_path}/a/samples.npz, and a pairwise scatter "
                    f"plot of dimensions (1, 2), (3, 4) to {tmp_path}/a/samples.png (the checkpoint records no data)")
     for extra, words in ((["--fid"], "--fid: the 'nice' model was not trained on images"),
-                         (["--steps", "3"], "--steps: the 'nice' model has no Langevin sampler"),
-                         (["--step-size", "0.1"], "--step-size: the 'nice' model has no Langevin sampler"),
+                         (["--steps", "3"], "--steps: the 'nice' model's sampler has no such setting"),
+                         (["--step-size", "0.1"], "--step-size: the 'nice' model's sampler has no such setting"),
                          (["--final-denoise", "off"], "--final-denoise: the 'nice' model has no annealed Langevin")):
         err = _usage_error(["--checkpoint", path, "--out", tmp_path / "out", *extra], capsys, tmp_path)
         assert words in err, err

@@ -211,7 +211,7 @@ def load(checkpoint: str, device: torch.device, raw_weights: bool = False) -> Sc
 #: samples of a model of points in its plot
 PLOT_POINTS = 2000
 #: sample.py's option -> the attribute it sets, by sampler (Langevin's, then AnnealedLangevin's)
-SAMPLER_OPTIONS = {"steps": ("n_steps", "n_steps_each"), "step_size": ("step_size", "step_lr")}
+SAMPLER_OPTIONS = {"steps": ("n_steps", "n_steps_each", "num_steps"), "step_size": ("step_size", "step_lr")}
 
 
 def set_sampler_options(module: ScoreModule, args: argparse.Namespace) -> None:
@@ -228,7 +228,7 @@ def set_sampler_options(module: ScoreModule, args: argparse.Namespace) -> None:
             continue
         attribute = next((a for a in attributes if hasattr(sampler, a)), None)
         if attribute is None:
-            usage_error(f"--{option.replace('_', '-')}: the {module.family!r} model has no Langevin sampler")
+            usage_error(f"--{option.replace('_', '-')}: the {module.family!r} model's sampler has no such setting")
         setattr(sampler, attribute, value)
 
 

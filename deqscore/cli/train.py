@@ -249,7 +249,7 @@ class DeqscoreCLI(LightningCLIHooks):
                 super().run_subcommand(subcommand)
             except BaseException as err:
                 if fresh and not self._wrote_checkpoint(run_dir):
-                    self._clear_failed_launch(run_dir)
+                    self._clear_failed_launch(run_dir, err)
                 if _is_trainer_option_error(err):  # one that needs the data: val_check_interval > batches an epoch
                     usage_error(f"trainer: {str(err).strip()}")
                 raise
@@ -262,13 +262,18 @@ class DeqscoreCLI(LightningCLIHooks):
             if isinstance(c, ModelCheckpoint))
 
     @staticmethod
-    def _clear_failed_launch(run_dir: Path) -> None:
+    def _clear_failed_launch(run_dir: Path, err: BaseException) -> None:
         """A fresh run that stopped before its first checkpoint holds nothing to resume: the directory it created
-        is moved aside (named, nothing deleted), so that launching it again is not refused as a run in the way."""
-        if run_dir.exists():
-            moved = move_aside(run_dir, "failed-")
-            sys.stderr.write(f"{run_dir} held no checkpoint (the launch stopped before its first): moved to {moved}, "
-                             "so the run can be launched again as it was\n")
+        is moved aside (named, nothing deleted), so that launching it again is not refused as a run in the way. A
+        usage error stays one line: the move is said at its end."""
+        if not run_dir.exists():
+            return
+        moved = move_aside(run_dir, "failed-")
+        if isinstance(err, USAGE_ERRORS) and len(err.args) == 1:
+            err.args = (f"{err.args[0]} (the run directory it had made, with no checkpoint, is now {moved})",)
+            return
+        sys.stderr.write(f"{run_dir} held no checkpoint (the launch stopped before its first): moved to {moved}, "
+                         "so the run can be launched again as it was\n")
 
     @staticmethod
     def _start_fresh(run_dir: Path, cfg: Namespace) -> None:
