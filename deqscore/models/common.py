@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from torch import Tensor
+
 from ..errors import ConfigError, check_count
 
 
@@ -20,3 +22,11 @@ def image_side(dim: int, channels: int, owner: str) -> int:
         raise ConfigError(f"{owner} dim={dim} is not a square image of channels={channels}; set `channels` to the "
                           "data's (1 for MNIST, 3 for CIFAR-10 and CelebA)")
     return side
+
+
+def as_images(x: Tensor, image_shape: tuple[int, int, int], owner: str) -> Tensor:
+    """``x`` (``[B, dim]`` or ``[B, C, H, W]``) as images ``[B, *image_shape]``, or a ValueError naming ``owner``."""
+    if x.dim() < 2 or x[0].numel() != math.prod(image_shape):
+        raise ValueError(f"{owner} expects inputs [B, {math.prod(image_shape)}] or "
+                         f"[B, {', '.join(map(str, image_shape))}], got {tuple(x.shape)}")
+    return x.reshape(x.shape[0], *image_shape)

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from ..deq import DEQ, DEQFactory
 from ..errors import ConfigError, check_count, check_real, choice_error
-from .common import image_side
+from .common import as_images, image_side
 
 EDM_BODIES = ("unet", "deq")
 RawNet = Callable[[Tensor, Tensor], Tensor]  # (c_in x, c_noise [B]) -> F
@@ -243,8 +243,5 @@ class EDM(nn.Module):
 
     def forward(self, x: Tensor, sigma: Tensor) -> Tensor:
         """``D(x; sigma)`` at ``x`` (``[B, dim]`` or ``[B, C, H, W]``) and noise level ``sigma`` (``[B]``)."""
-        if x.dim() < 2 or x[0].numel() != self.dim:
-            raise ValueError(f"EDM expects inputs [B, {self.dim}] or [B, {', '.join(map(str, self.image_shape))}], "
-                             f"got {tuple(x.shape)}")
-        out = self.denoiser(x.reshape(x.shape[0], *self.image_shape), sigma)
+        out = self.denoiser(as_images(x, self.image_shape, "EDM"), sigma)
         return out.reshape(x.shape)

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from ..deq import DEQ, DEQFactory
 from ..errors import ConfigError, check_count, choice_error
-from .common import image_side
+from .common import as_images, image_side
 
 NCSN_BODIES = ("ncsnv2", "shallow", "deq", "deq_full")
 
@@ -356,11 +356,8 @@ class NCSN(nn.Module):
 
     def forward(self, x: Tensor, sigma: Tensor) -> Tensor:
         """Score at ``x`` (``[B, dim]`` or ``[B, C, H, W]``) and per-sample noise level ``sigma`` (``[B]``)."""
-        if x.dim() < 2 or x[0].numel() != self.dim:
-            raise ValueError(f"NCSN expects inputs [B, {self.dim}] or [B, {', '.join(map(str, self.image_shape))}], "
-                             f"got {tuple(x.shape)}")
+        h = as_images(x, self.image_shape, "NCSN")
         sigma = torch.as_tensor(sigma, dtype=x.dtype, device=x.device).expand(x.shape[0])
-        h = x.reshape(x.shape[0], *self.image_shape)
         h = self.begin_conv(h if self.centered else 2 * h - 1)
         out = self.head(self.body(h)) / sigma.view(-1, 1, 1, 1)
         return out.reshape(x.shape)
