@@ -1,66 +1,156 @@
-"""The command-line parser's mistakes as one message: the key, what is wrong, and the accepted values."""
+"""A command line the parser refuses, told as one message: the option at fault and the values it accepts.
+
+jsonargparse reports a refused value as text only (a tree of every type it tried). The option at fault is found
+instead by parsing the command line again without one option at a time (the last first): the one whose absence
+lets it parse. What it accepts is read from the signature of the class the option belongs to, in the command line
+that parsed.
+"""
 
 from __future__ import annotations
 
-import re
-from typing import NoReturn
+import inspect
+import types
+import typing
+from argparse import ArgumentError
+from typing import Any, Literal
 
-from pytorch_lightning.cli import LightningArgumentParser
-
-from .errors import usage_error
+import yaml
+from jsonargparse import Namespace
+from pytorch_lightning import Trainer
 
 OPTIMIZER_HINT = "any torch.optim optimizer by class name or class_path, e.g. Adam, AdamW, SGD, RMSprop"
 LR_SCHEDULER_HINT = "any torch.optim.lr_scheduler class by name or class_path, e.g. StepLR, CosineAnnealingLR"
+HINTS = {"optimizer": OPTIMIZER_HINT, "lr_scheduler": LR_SCHEDULER_HINT}
+SCALARS = {int: "an int", float: "a number", str: "a string", bool: "true or false", type(None): "null"}
 
 
-def condense_parser_error(message: str) -> str:
-    """Reduce jsonargparse's nested report to ``key: what is wrong`` plus the accepted values.
-
-    jsonargparse reports a bad value deep inside a ``class_path`` config as a tree of every type it tried; the
-    key path, the innermost complaint, the given value and the accepted choices are what a user needs.
-    """
-    keys = re.findall(r'Parser key "([^"]+)"', message)
-    givens = re.findall(r"Given value: (.+)", message)
-    if not keys:
-        return message
-    outer = re.search(r"NestedArg\(key='([^']+)', val='([^']*)'\)", givens[-1]) if givens else None
-    subclass = "Problem with given class_path" in message
-    key = f"{keys[0]}{'.init_args' if subclass else ''}.{outer.group(1)}" if outer else ".".join(keys)
-    inner = re.search(r"NestedArg\(key='([^']+)', val='([^']*)'\)", givens[0]) if givens else None
-    if inner and inner is not outer and "Expected a dot import path string" in message:
-        parent = key[: -len(inner.group(1)) - 1]  # an option of an object the config names by a short name
-        return (f"{parent}: cannot set {inner.group(1)}={inner.group(2)!r} on a short name; give {parent} as a "
-                f"class_path first (e.g. --{parent} SomeClass --{parent}.{inner.group(1)} VALUE)")
-    ignored = ("Expected a <class 'NoneType'>", "Expected a dot import path string", "Expected a path but")
-    lines = [ln.strip().lstrip("- ") for ln in message.splitlines()]
-    leaves = [ln for ln in lines if re.match(r"(Expected a|Option '|.*Got value)", ln) and not ln.startswith(ignored)]
-    literals = [m for ln in leaves if (m := re.match(r"Expected a typing\.Literal\[(.+)\]", ln))]
-    # the literal that saw the value is the innermost complaint; the others are the alternatives tried above it
-    literal = next((m for m in literals if "Got value" in m.string), literals[0] if literals else None)
-    if literal:
-        got = re.search(r"Got value: (.+?)(?:\. Got value:|$)", literal.string)
-        value = got.group(1) if got else (outer.group(2) if outer else givens[0] if givens else "?")
-        subtypes = re.search(r"Subtypes: \[(typing\.Literal.+)\]", message)
-        classes = [c.rsplit(".", 1)[-1] for c in re.findall(r"<class '([\w.]+)'>", subtypes.group(1) if subtypes
-                   and literal.group(1).split("]")[0] in subtypes.group(1) else "")
-                   if not c.endswith(("NoneType", "ScoreModule", "LightningDataModule"))]
-        accepted = literal.group(1).split("]. Got")[0]
-        accepted += f", or a class_path of a {' / '.join(classes)} subclass" if classes else ""
-        return f"{key}: {value!r} is not accepted\n  accepted: {accepted}"
-    if leaves:
-        return f"{key}: {leaves[0]}"
-    return f"{key}: {givens[0]!r} is not accepted" if givens else message
+def explain_refusal(parser: Any, args: list[str], message: str) -> str:
+    """What is wrong with ``args``, which ``parser`` refused with jsonargparse's ``message``: ``key: what`` and,
+    where known, the accepted values; jsonargparse's first line where no single option is at fault."""
+    head, items = _split(args)
+    fault = _fault(parser, head, items)
+    if fault is not None and fault[0][0] in ("--config", "-c"):  # a composed config file: which of its values
+        index = items.index(fault[0])
+        fault = _config_fault(parser, head, items, index)
+    if fault is None:
+        return message.strip().splitlines()[0]
+    (flag, *values), cfg = fault
+    return describe(flag.lstrip("-"), " ".join(values), cfg)
 
 
-class DeqscoreArgumentParser(LightningArgumentParser):
-    """Reports a bad value as one message naming the key and the accepted values, without the usage text."""
+def _split(args: list[str]) -> tuple[list[str], list[list[str]]]:
+    """The subcommand (the tokens before the first option) and the options, each with its values."""
+    head: list[str] = []
+    items: list[list[str]] = []
+    for token in args:
+        if token.startswith("--") or token == "-c":
+            items.append(token.split("=", 1) if token.startswith("--") and "=" in token else [token])
+        elif items:
+            items[-1].append(token)
+        else:
+            head.append(token)
+    return head, items
 
-    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
-        if not self.exit_on_error:  # inner parsers: let the outer one report
-            return super().error(message, ex)
-        message = condense_parser_error(message)
-        if message.split(":")[0] == "optimizer":
-            message += f"\n  accepted: {OPTIMIZER_HINT}"
-        if message.split(":")[0] == "lr_scheduler":
-            message += f"\n  accepted: {LR_SCHEDULER_HINT}"
-        usage_error(message + "\n(see --help for every option)")
+
+def _parses(parser: Any, head: list[str], items: list[list[str]]) -> Namespace | None:
+    try:
+        cfg = parser.parse_args([*head, *(token for item in items for token in item)])
+    except (ArgumentError, TypeError, ValueError, KeyError):
+        return None
+    return cfg.get(str(cfg.get("subcommand")), cfg)
+
+
+def _fault(parser: Any, head: list[str], items: list[list[str]]) -> tuple[list[str], Namespace] | None:
+    """The option whose absence lets the command line parse, with the config parsed without it."""
+    for index in reversed(range(len(items))):
+        cfg = _parses(parser, head, items[:index] + items[index + 1:])
+        if cfg is not None:
+            return items[index], cfg
+    return None
+
+
+def _leaves(tree: Any, prefix: str = "") -> list[str]:
+    if not isinstance(tree, dict) or not tree:
+        return [prefix]
+    return [leaf for key, value in tree.items() for leaf in _leaves(value, f"{prefix}{'.' if prefix else ''}{key}")]
+
+
+def _without(tree: dict, path: str) -> dict:
+    head, _, rest = path.partition(".")
+    out = dict(tree)
+    if rest:
+        out[head] = _without(tree[head], rest)
+    else:
+        del out[head]
+    return out
+
+
+def _config_fault(parser: Any, head: list[str], items: list[list[str]], index: int):
+    """The value of a ``--config`` text whose absence lets the command line parse, as ``[--key, value]``."""
+    flag, text = items[index][0], " ".join(items[index][1:])
+    try:
+        tree = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return None
+    if not isinstance(tree, dict):
+        return None
+    for leaf in reversed(_leaves(tree)):
+        trial = [*items[:index], [flag, yaml.safe_dump(_without(tree, leaf))], *items[index + 1:]]
+        cfg = _parses(parser, head, trial)
+        if cfg is not None:
+            value = tree
+            for part in leaf.split("."):
+                value = value[part]
+            return [f"--{leaf}", yaml.safe_dump(value).strip().removesuffix("...").strip()], cfg
+    return None
+
+
+def describe(key: str, value: str, cfg: Namespace) -> str:
+    """``key: 'value' is not accepted`` and what is, from the signature of the class ``key`` belongs to in ``cfg``
+    (the config parsed without it)."""
+    if key in HINTS or key.removesuffix(".class_path") in HINTS:
+        return f"{key}: {value!r} is not accepted\n  accepted: {HINTS[key.removesuffix('.class_path')]}"
+    parts = key.split(".")
+    owner, start = (Trainer, 1) if parts[0] == "trainer" else (None, 0)
+    for i in range(1, len(parts)):
+        held = cfg.get(".".join(parts[:i]))
+        if isinstance(held, Namespace) and isinstance(held.get("class_path"), str):
+            owner, start = _import(held.class_path), i
+        elif isinstance(held, str) and i < len(parts):  # a short name (``loss: ssm``) given options of its own
+            parent, option = ".".join(parts[:i]), ".".join(parts[i:]).removeprefix("init_args.")
+            return (f"{parent}: cannot set {option}={value!r} on a short name; give {parent} as a class_path first "
+                    f"(e.g. --{parent} SomeClass --{parent}.{option} VALUE)")
+    rest = [p for p in parts[start:] if p != "init_args"]
+    if owner is None or not rest:
+        return f"{key}: {value!r} is not accepted"
+    options = inspect.signature(owner).parameters
+    if rest[0] not in options:
+        names = ", ".join(n for n, p in options.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+        return f"{key}: {owner.__name__} has no option {rest[0]!r}\n  its options: {names}"
+    return f"{key}: {value!r} is not accepted\n  accepted: {accepted(_hints(owner).get(rest[0], 'any'))}"
+
+
+def accepted(hint: Any) -> str:
+    """A type hint in words: literals by value, classes as a class_path of a subclass, plain types by kind."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        parts = typing.get_args(hint)
+    else:
+        parts = (hint,)
+    literals = [repr(v) for p in parts if typing.get_origin(p) is Literal for v in typing.get_args(p)]
+    classes = [p.__name__ for p in parts if inspect.isclass(p) and p not in SCALARS]
+    words = [f"a class_path of a {' / '.join(classes)} subclass"] if classes else []
+    words += [SCALARS[p] for p in parts if p in SCALARS]
+    words += [str(p) for p in parts if typing.get_origin(p) is not Literal and not inspect.isclass(p)]
+    return ", ".join([", ".join(literals), *(f"or {w}" for w in words)]) if literals else " or ".join(words)
+
+
+def _hints(owner: type) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(owner.__init__)
+    except Exception:  # noqa: BLE001 - a hint that cannot be resolved here: its text
+        return {n: p.annotation for n, p in inspect.signature(owner).parameters.items()}
+
+
+def _import(class_path: str) -> type:
+    module, _, name = class_path.rpartition(".")
+    return getattr(__import__(module, fromlist=[name]), name)

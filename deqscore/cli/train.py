@@ -14,10 +14,10 @@ import importlib.util
 import inspect
 import math
 import os
-import re
 import signal
 import sys
 import warnings
+from argparse import ArgumentError
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,7 @@ from ..lightning.runs import (
 from ..privates import LightningCLIHooks, set_process_group_timeout
 from .checkpoints import check_checkpoint, checkpoint_conflicts, place_in_checkpoint_run
 from .errors import UsageError, print_error, usage_error
-from .parser_errors import DeqscoreArgumentParser
+from .parser_errors import explain_refusal
 from .ranks import LostRankError, is_lost_peer, leave_process_group, lost_rank_message
 from .signals import StopSignals
 from .trainer_options import check_trainer_options
@@ -142,8 +142,18 @@ class DeqscoreCLI(LightningCLIHooks):
             warnings.filterwarnings("ignore", "LightningCLI's args parameter is intended")
             super().__init__(
                 ScoreModule, *args, subclass_mode_model=True, subclass_mode_data=True,
-                trainer_defaults=trainer_defaults, parser_class=DeqscoreArgumentParser, **kwargs,
+                trainer_defaults=trainer_defaults, **kwargs,
             )
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        # the main parser's and every subcommand's: a refusal raises, to be told as one message (parse_arguments)
+        return super().init_parser(**{"exit_on_error": False, **kwargs})
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as err:
+            usage_error(explain_refusal(parser, list(self._argv), str(err)) + "\n(see --help for every option)")
 
     def instantiate_classes(self) -> None:
         try:
@@ -152,7 +162,7 @@ class DeqscoreCLI(LightningCLIHooks):
             known = next((e for e in _chain(err) if isinstance(e, USAGE_ERRORS)), None)
             if known is None:
                 raise  # unexpected: keeps its traceback
-            option = self._option_named_by(str(known))
+            option = self._option_of(known)
             usage_error(f"{option}: {known}" if option else str(known))
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
@@ -175,16 +185,11 @@ class DeqscoreCLI(LightningCLIHooks):
         return {group: cfg[group].init_args.as_dict() for group in ("data", "model")
                 if isinstance(cfg.get(group), Namespace) and cfg[group].get("init_args") is not None}
 
-    def _option_named_by(self, message: str) -> str | None:
-        """The option the message names first (``val_fraction must lie in [0, 1)``), else the one whose text value it
-        quotes (``EMPTY holds no image``: ``--data.init_args.data_dir``); None when it does neither."""
-        options = [(f"--{group}.init_args.{key}", key, value) for group, values in self._groups().items()
-                   for key, value in values.items()]
-        named = [(m.start(), o) for o, key, _ in options if (m := re.search(rf"\b{re.escape(key)}\b", message))]
-        if named:
-            return min(named)[1]  # the option the message starts from
-        quoted = (o for o, _, value in options if isinstance(value, str) and len(value) > 2 and value in message)
-        return next(quoted, None)
+    def _option_of(self, error: Exception) -> str | None:
+        """The command-line option of the argument an error names (its ``key``) among the data module's and the
+        model's own options (``--data.init_args.val_fraction``); None when it names none of them."""
+        key = getattr(error, "key", None)
+        return next((f"--{group}.init_args.{key}" for group, values in self._groups().items() if key in values), None)
 
     def read_ckpt_path(self) -> None:
         # Lightning would replace the config's model options by the checkpoint's hyper-parameters. Here what the

@@ -303,12 +303,13 @@ def _check_options(
     val_subset: int | None,
     test_subset: int | None,
 ) -> None:
-    if batch_size < 1 or (eval_batch_size is not None and eval_batch_size < 1):
-        raise ConfigError(f"batch_size and eval_batch_size must be positive, got {batch_size} and {eval_batch_size}")
+    for name, value in (("batch_size", batch_size), ("eval_batch_size", eval_batch_size)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{name} must be positive, got {value}", key=name)
     if num_workers < 0:
-        raise ConfigError(f"num_workers must be >= 0, got {num_workers}")
+        raise ConfigError(f"num_workers must be >= 0, got {num_workers}", key="num_workers")
     if not 0.0 <= val_fraction < 1.0:
-        raise ConfigError(f"val_fraction must lie in [0, 1), got {val_fraction}")
+        raise ConfigError(f"val_fraction must lie in [0, 1), got {val_fraction}", key="val_fraction")
     for name, value in (("train_subset", train_subset), ("val_subset", val_subset), ("test_subset", test_subset)):
         if value is not None and value < 0:
-            raise ConfigError(f"{name} must be >= 0 or None, got {value}")
+            raise ConfigError(f"{name} must be >= 0 or None, got {value}", key=name)

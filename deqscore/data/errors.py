@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from ..errors import NamesAnOption
+
 __all__ = ["CorruptDataError", "DataNotFoundError"]
 
 
-class CorruptDataError(ValueError):
+class CorruptDataError(NamesAnOption, ValueError):
     """A data file exists but cannot be decoded or has unexpected content; the message names the file."""
 
 
-class DataNotFoundError(FileNotFoundError):
+class DataNotFoundError(NamesAnOption, FileNotFoundError):
     """A data set is not where it is looked for (and could not be downloaded); the message says what to put where."""

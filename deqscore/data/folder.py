@@ -124,7 +124,7 @@ class ImageFolderDataModule(ImageDataModule):
             if not files:
                 where = folder / ("train" if train else "test") if (folder / "train").is_dir() else folder
                 raise DataNotFoundError(f"{where.resolve()} holds no image for the {'train' if train else 'test'} "
-                                        f"split (files ending in {', '.join(SUFFIXES)} are read)")
+                                        f"split (files ending in {', '.join(SUFFIXES)} are read)", key="data_dir")
         return splits
 
     def _readable_first(self) -> bool:

@@ -397,12 +397,12 @@ def _check_options(
         if dataset != "highdim":
             raise ConfigError(f"dim: only the synthetic data set 'highdim' takes a dimension; {dataset!r} has that of "
                               "its file: leave dim unset (a run's config.yaml from before dim was refused here holds "
-                              "dim: 200 under data.init_args: delete that line)")
+                              "dim: 200 under data.init_args: delete that line)", key="dim")
     check_count("batch_size", batch_size)
     if eval_batch_size is not None:
         check_count("eval_batch_size", eval_batch_size)
     check_count("num_workers", num_workers, low=0)
     if isinstance(noise_std, bool) or not isinstance(noise_std, (int, float)) or not math.isfinite(noise_std):
-        raise ConfigError(f"noise_std must be a finite number >= 0, got {noise_std!r}")
+        raise ConfigError(f"noise_std must be a finite number >= 0, got {noise_std!r}", key="noise_std")
     if noise_std < 0:
-        raise ConfigError(f"noise_std must be >= 0, got {noise_std}")
+        raise ConfigError(f"noise_std must be >= 0, got {noise_std}", key="noise_std")

@@ -70,7 +70,7 @@ def alpha_objective(loss: ScoreLoss) -> dict[str, Any]:
         return {"objective": "exact"}
     if isinstance(loss, DSM):
         return {"objective": "dsm", "sigma": loss.sigma, "dsm_weighting": loss.weighting}
-    raise ConfigError(f"loss: DKEF has a closed-form alpha for {', '.join(DKEF_LOSSES)}, not {loss!r}")
+    raise ConfigError(f"loss: DKEF has a closed-form alpha for {', '.join(DKEF_LOSSES)}, not {loss!r}", key="loss")
 
 
 class DKEFModule(ScoreModule):
@@ -107,7 +107,8 @@ class DKEFModule(ScoreModule):
         self.final_lambda_steps, self.final_lambda_lr = final_lambda_steps, final_lambda_lr
         self.exact_sm_batches = exact_sm_batches
         if log_z_proposal not in LOG_Z_PROPOSALS:
-            raise ConfigError(f"log_z_proposal: expected one of {', '.join(LOG_Z_PROPOSALS)}, got {log_z_proposal!r}")
+            raise ConfigError(f"log_z_proposal: expected one of {', '.join(LOG_Z_PROPOSALS)}, got {log_z_proposal!r}",
+                              key="log_z_proposal")
         self.log_z_proposal = log_z_proposal
         self.sampler = sampler
         self._log_z: tuple[float, float, int] | None = None  # log Z, its standard error, the draws
@@ -151,7 +152,8 @@ class DKEFModule(ScoreModule):
         if self.log_z_proposal == "mixture":
             datamodule = self.datamodule()
             if datamodule is None:
-                raise ConfigError("log_z_proposal 'mixture': its points are the training data; run with a data module")
+                raise ConfigError("log_z_proposal 'mixture': its points are the training data; run with a data module",
+                                  key="log_z_proposal")
             points = datamodule.train_data.to(self.device)
         log_z, stderr = self.net.log_partition(n_samples=n_samples, chunk=self.log_z_chunk, generator=generator,
                                                proposal_points=points)
@@ -233,7 +235,8 @@ class DKEFModule(ScoreModule):
         with torch.no_grad():
             self.net.set_alpha(self.net.alpha_from_system(g, b))
         if not math.isfinite(float(self.net.log_lambda.detach())):
-            raise ConfigError("log_lambda became non-finite while fine-tuned: lower final_lambda_lr")
+            raise ConfigError("log_lambda became non-finite while fine-tuned: lower final_lambda_lr",
+                              key="final_lambda_lr")
 
 
 __all__ = ["DKEF_LOSSES", "DKEFModule", "alpha_objective"]

@@ -49,7 +49,7 @@ class NICEModule(ScoreModule):
     ):
         super().__init__()
         if exact_sm_samples is not None and exact_sm_samples < 1:
-            raise ConfigError(f"exact_sm_samples must be >= 1 or null, got {exact_sm_samples}")
+            raise ConfigError(f"exact_sm_samples must be >= 1 or null, got {exact_sm_samples}", key="exact_sm_samples")
         self.net = net
         self.loss = build_loss(loss, ScoreLoss, NICEObjective, key="loss")
         if getattr(self.loss, "explicit_only", False) and net.m_net_kind != "explicit":

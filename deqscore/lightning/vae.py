@@ -79,7 +79,8 @@ class VAEModule(ScoreModule):
         self.implicit = isinstance(net, ImplicitVAE)
         for key, value in (("ais_batches", ais_batches), ("val_ais_batches", val_ais_batches)):
             if value and net.arch != "mlp":
-                raise ConfigError(f"VAEModule {key}: AIS is for the Bernoulli (MLP) decoder of binarised MNIST")
+                raise ConfigError(f"VAEModule {key}: AIS is for the Bernoulli (MLP) decoder of binarised MNIST",
+                                  key=key)
         self.ae_optimizer, self.score_optimizer = ae_optimizer, score_optimizer
         self.score_updates = score_updates if self.implicit else 0
         self.binarize = net.arch == "mlp" if binarize is None else binarize

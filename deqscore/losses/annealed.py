@@ -109,7 +109,7 @@ def schedule_from_data(x: Tensor, sigma_min: float, n_steps_each: int) -> dict[s
     sigma_max = max_pairwise_distance(x)
     if not sigma_max > sigma_min:
         raise ConfigError(f"the training data's largest pairwise distance {sigma_max:g} does not exceed sigma_min="
-                          f"{sigma_min}: a schedule from the data needs distinct points")
+                          f"{sigma_min}: a schedule from the data needs distinct points", key="sigma_min")
     gamma = geometric_ratio(x[0].numel())
     n_levels = max(2, math.ceil(math.log(sigma_max / sigma_min) / math.log(gamma)) + 1)
     return {"sigma_max": sigma_max, "n_levels": n_levels, "gamma": gamma,
@@ -129,7 +129,8 @@ def noise_schedule(kind: str, sigma_max: float, sigma_min: float, n_levels: int)
     check_real("sigma_min", sigma_min)
     check_count("n_levels", n_levels, low=2, why=" (an annealed schedule has at least two noise levels)")
     if not sigma_max > sigma_min:
-        raise ConfigError(f"the noise schedule must decrease: sigma_max={sigma_max} must exceed sigma_min={sigma_min}")
+        raise ConfigError(f"the noise schedule must decrease: sigma_max={sigma_max} must exceed sigma_min={sigma_min}",
+                          key="sigma_max")
     return SCHEDULES[kind](sigma_max, sigma_min, n_levels)
 
 

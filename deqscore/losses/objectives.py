@@ -80,7 +80,7 @@ def build_loss(spec: str | Loss, *kinds: type[Loss], key: str = "loss") -> Loss:
     if not isinstance(spec, kinds):
         accepted = " or ".join(k.__name__ for k in kinds)
         raise ConfigError(f"{key}: a {type(spec).__name__} does not fit here; give a {accepted} "
-                          f"(short names: {', '.join(loss_names(*kinds))})")
+                          f"(short names: {', '.join(loss_names(*kinds))})", key=key)
     return spec
 
 

@@ -83,7 +83,7 @@ def _check_options(dim: int, n_centres: int, hidden: int, feature_net: str, deep
 
 def _check_finite(key: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ConfigError(f"{key} must be a finite number, got {value!r}")
+        raise ConfigError(f"{key} must be a finite number, got {value!r}", key=key.split()[-1])
 
 
 def _init_normal_fan_out(module: nn.Module) -> None:

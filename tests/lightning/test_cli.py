@@ -38,19 +38,21 @@ def test_fast_dev_run_every_loss(m_net, loss, tmp_path, capsys):
 
 DEQ_KEY = "--model.init_args.net.init_args.deq.init_args"
 USAGE_ERRORS = [  # (extra arguments, what the one-line message must say)
-    (["--model.init_args.no_such_key", "1"], "model.init_args.no_such_key: Option 'no_such_key' is not accepted"),
+    (["--model.init_args.no_such_key", "1"], "model.init_args.no_such_key: NICEModule has no option 'no_such_key'"),
     (["--model.init_args.loss", "nce"],
      "model.init_args.loss: 'nce' is not accepted\n  accepted: 'exact', 'ssm', 'ssm_vr', 'dsm', 'mle', 'kingma', 'cp'"),
     ([f"{DEQ_KEY}.solver", "newton"], "unknown DEQ solver 'newton'; accepted: 'anderson', 'broyden'"),
-    ([f"{DEQ_KEY}.backward", "adjoint"], "deq.init_args.backward: 'adjoint' is not accepted\n  accepted: 'phantom'"),
+    ([f"{DEQ_KEY}.backward", "adjoint"],
+     "deq.init_args.backward: 'adjoint' is not accepted\n  accepted: 'phantom', 'unroll', 'ift', 'implicit'"),
     ([f"{DEQ_KEY}.tol", "-1"], "DEQ tol must be positive, got -1.0"),
     (["--model.init_args.loss", "deqscore.losses.SSM", "--model.init_args.loss.projection", "uniform"],
      "model.init_args.loss.projection: 'uniform' is not accepted\n  accepted: 'rademacher', 'gaussian', 'sphere'"),
     (["--model.init_args.loss", "ssm", "--model.init_args.loss.n_projections", "2"],
      "model.init_args.loss: cannot set n_projections='2' on a short"),
     (["--model.init_args.loss.n_projections", "2"],  # the loss left at the module's default
-     "model.init_args.loss.n_projections: '2' is not accepted\n  accepted: 'exact', 'ssm'"),
-    (["--model.init_args.net.init_args.hidden", "wide"], "net.init_args.hidden: Expected a <class 'int'>"),
+     "model.init_args.loss: cannot set n_projections='2' on a short name"),
+    (["--model.init_args.net.init_args.hidden", "wide"],
+     "net.init_args.hidden: 'wide' is not accepted\n  accepted: an int"),
     (["--optimizer", "Adamm"], "optimizer: 'Adamm' is not accepted\n  accepted: any torch.optim optimizer"),
     (["--data.init_args.transform", "sigmoid"],
      "data.init_args.transform: 'sigmoid' is not accepted\n  accepted: 'logit', 'unit', 'logit_squeeze'"),
