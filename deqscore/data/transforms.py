@@ -134,7 +134,7 @@ def inverse_logit(y: torch.Tensor) -> torch.Tensor:
 
 
 def logit_log_det(x: torch.Tensor) -> torch.Tensor:
-    """``log|det dy/dx|`` [B] of ``y = logit(x)`` for ``x`` [B, ...] in ``(0, 1)``: ``sum_d -log x_d - log(1 - x_d)``."""
+    """``log|det dy/dx|`` [B] of ``y = logit(x)``, ``x`` [B, ...] in ``(0, 1)``: ``sum_d -log x_d - log(1 - x_d)``."""
     return (-torch.log(x) - torch.log1p(-x)).reshape(x.shape[0], -1).sum(dim=1)
 
 

@@ -71,9 +71,8 @@ class CheckpointFamilyError(ValueError):
 
 
 def family_registry() -> dict[str, type[ScoreModule]]:
-    """Model family name -> LightningModule class, read from the families' declarations (:mod:`deqscore.families`),
-    each of which names its module's class path: a family without a declaration is unknown, and a new family's
-    module file needs no registration and no import elsewhere."""
+    """Model family name -> LightningModule class, from the class paths of the declarations (:mod:`deqscore.families`):
+    a new family's module needs no registration and no import elsewhere."""
     return {name: _located(declared.module) for name, declared in declarations().items()}
 
 
@@ -159,9 +158,8 @@ class ScoreModule(NonFiniteStops, pl.LightningModule):
         return getattr(trainer, "datamodule", None) if trainer is not None else None
 
     def check_run(self, trainer: pl.Trainer, datamodule: Any) -> None:
-        """Raise ConfigError if this module cannot run with ``trainer`` and ``datamodule`` (e.g. an unsuitable
-        strategy or data transform). The CLI calls it, and every callback's ``check_run``, before anything is
-        written; ``setup`` calls it again for trainers built in Python."""
+        """Raise ConfigError if this module cannot run with ``trainer`` and ``datamodule``; called before anything is
+        written (and again by ``setup``, for trainers built in Python)."""
 
     def setup(self, stage: str) -> None:
         datamodule = self.datamodule()
