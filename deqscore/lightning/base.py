@@ -44,6 +44,7 @@ import importlib
 import inspect
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import pytorch_lightning as pl
@@ -195,6 +196,30 @@ class ScoreModule(NonFiniteStops, pl.LightningModule):
     # ----- shared machinery --------------------------------------------------------------------------
     def deq_layers(self) -> list[DEQ]:
         return [m for m in self.modules() if isinstance(m, DEQ)]
+
+    @contextmanager
+    def sampling_mode(self, warm: bool | None = None) -> Iterator[None]:
+        """The network in eval mode and, unless ``warm`` is None, every DEQ layer's warm start set to ``warm`` from an
+        empty cache (a sampler's consecutive evaluations move x a little); all restored on exit."""
+        was_training = self.net.training
+        layers = [] if warm is None else self.deq_layers()
+        saved = [(d.warm_start, d.z_cache) for d in layers]
+        self.net.eval()
+        for d in layers:
+            d.warm_start, d.z_cache = warm, None
+        try:
+            yield
+        finally:
+            self.net.train(was_training)
+            for d, (warm_start, cache) in zip(layers, saved, strict=True):
+                d.warm_start, d.z_cache = warm_start, cache
+
+    def check_image_shape(self, family: str) -> None:
+        """ConfigError when the data's images are not of the network's ``image_shape``."""
+        codec = self.image_codec
+        if codec is not None and tuple(codec.image_shape) != self.net.image_shape:
+            raise ConfigError(f"{family} net image shape {self.net.image_shape} differs from the data's "
+                              f"{tuple(codec.image_shape)}: set net `channels` to the data's")
 
     def _deq_stats(self) -> dict[str, float | torch.Tensor]:
         stats = [d.stats for d in self.deq_layers() if d.stats is not None]
