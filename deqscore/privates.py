@@ -59,14 +59,9 @@ def saved_at_batch_end(checkpoint: dict[str, Any]) -> bool:
 
 
 def complete_finished_epoch(checkpoint: dict[str, Any]) -> bool:
-    """Mark an epoch whose batches all ran (saved from its end hooks) as completed in ``checkpoint``'s loop state.
-
-    Lightning 2.6 resumes such a checkpoint of a run with ``max_steps`` set by replaying the epoch's end: its
-    hooks run a second time, the epoch is counted twice (a resumed ``max_epochs: 2`` run stops at once) and the
-    data order of every later epoch shifts. Without ``max_steps`` it marks the epoch completed and goes on; this
-    gives both kinds of run that behaviour (with :func:`start_epoch_afresh` at the next epoch's start). True if the
-    checkpoint was such a one.
-    """
+    """Mark an epoch whose batches all ran (saved from its end hooks) as completed in ``checkpoint``'s loop state;
+    True if it was one. With ``max_steps`` set, Lightning 2.6 would replay the epoch's end on resume (hooks run twice,
+    the epoch counted twice, every later epoch's data order shifted)."""
     fit_loop = _fit_loop(checkpoint)
     if not fit_loop or not fit_loop.get("epoch_loop.batch_progress", {}).get("is_last_batch"):
         return False
@@ -80,15 +75,10 @@ def complete_finished_epoch(checkpoint: dict[str, Any]) -> bool:
 
 
 def reopen_cut_epoch(checkpoint: dict[str, Any]) -> bool:
-    """Mark an epoch that ended before its last batch (the run stopped at ``max_steps``, or by any other stop
-    between two batches) as unfinished in ``checkpoint``'s loop state, so a resume with a larger budget continues it.
-
-    Lightning counts such an epoch completed, and resumes it by starting the next epoch: the rest of the cut
-    epoch's batches are never trained and the data order of every later epoch shifts against an uninterrupted
-    run. Marked unfinished, the fit resumes in the middle of the epoch (from the batch after the last one trained,
-    the training loader skipping the ones before it: :class:`~deqscore.data.datasets.ResumableLoader`), as from a
-    preemption checkpoint. The cut epoch's end hooks then run once more at its real end. True if it was one.
-    """
+    """Mark an epoch cut before its last batch (by ``max_steps`` or another stop) as unfinished in ``checkpoint``'s
+    loop state; True if it was one. Lightning counts it completed and resumes at the next epoch (the rest never
+    trained, later data orders shifted); unfinished, a resume continues it from the next batch
+    (:class:`~deqscore.data.datasets.ResumableLoader`), as from a preemption checkpoint."""
     fit_loop = _fit_loop(checkpoint)
     batches = fit_loop.get("epoch_loop.batch_progress", {})
     if not batches or batches.get("is_last_batch") or not batches["current"]["completed"]:
@@ -104,11 +94,9 @@ def reopen_cut_epoch(checkpoint: dict[str, Any]) -> bool:
 
 
 def relocate_checkpoint_states(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
-    """A run resumed from a checkpoint of its own ``checkpoints/`` folder after the run directory was moved or
-    copied: the paths its checkpoint callbacks recorded (their folder, the best, k-th best and last files) are
-    carried over to where the run lives now. Lightning would otherwise drop their state for a changed folder:
-    ``last.ckpt`` would be written beside itself as ``last-v1.ckpt``, the best scores be forgotten, and the
-    closing stage read the best weights from the run's old place (another run, once the name is reused)."""
+    """Carry the paths a resumed run's checkpoint callbacks recorded over to the run directory's new place (moved or
+    copied). Lightning would otherwise drop their state: ``last.ckpt`` written again as ``last-v1.ckpt``, the best
+    scores forgotten, and the closing stage reading the best weights from the old place."""
     if not trainer.ckpt_path:
         return
     here = Path(trainer.ckpt_path).resolve().parent

@@ -28,12 +28,8 @@ EPOCH_STRIDE = 10_000_000
 
 
 def split_indices(n: int, val_fraction: float = 0.1, seed: int = 2019) -> tuple[np.ndarray, np.ndarray]:
-    """Train/val index split of ``range(n)`` as the reference code does it.
-
-    ``np.random.seed(seed); np.random.shuffle(indices)`` (reproduced with a private ``RandomState``, leaving
-    the global numpy state untouched); the first ``int(n * (1 - val_fraction))`` shuffled indices train, the
-    rest validate.
-    """
+    """Train/val split of ``range(n)`` as the reference code's ``np.random.seed(seed); np.random.shuffle(indices)``
+    (a private ``RandomState``): the first ``int(n * (1 - val_fraction))`` shuffled indices train."""
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must lie in [0, 1), got {val_fraction}")
     indices = np.arange(n)
@@ -59,19 +55,12 @@ class ArrayImageDataset(Dataset):
 
 
 class PreprocessedImageDataset(Dataset):
-    """Items ``(x float32 [D], label)`` of ``base[indices[i]]`` after dequantisation and ``transform``.
+    """Items ``(x float32 [D], label)`` of ``base[indices[i]]`` (uint8 images) after dequantisation and ``transform``.
 
-    Args:
-        base: dataset of ``(uint8 image tensor, int label)``.
-        indices: which items of ``base`` to expose, in order.
-        transform: one of :data:`deqscore.data.transforms.TRANSFORMS`.
-        alpha: clamp/squeeze margin.
-        noise_seed: None for fresh noise on every read; an int for deterministic noise from a generator
-            seeded with ``noise_seed + base_index`` (evaluation).
-        per_epoch: add ``epoch * 10^7`` to that seed, the epoch being set by :meth:`set_epoch` (training):
-            fresh noise every epoch, reproducible across resumes and DataLoader workers.
-        flip_shape: the image shape ``(C, H, W)`` to flip items horizontally with probability 1/2, the coin drawn
-            from the item's generator after its noise (so reproducible as the noise is); None: no flips.
+    The noise is fresh on every read with ``noise_seed`` None, else drawn from a generator seeded with
+    ``noise_seed + base_index``, plus ``epoch * 10^7`` with ``per_epoch`` (:meth:`set_epoch`): fresh every epoch,
+    the same across resumes and workers. With ``flip_shape`` ``(C, H, W)`` an item is flipped horizontally with
+    probability 1/2, the coin drawn from the item's generator after its noise.
     """
 
     def __init__(

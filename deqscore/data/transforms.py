@@ -93,21 +93,9 @@ def dequantize(
     alpha: float = DEFAULT_ALPHA,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Dequantise 8-bit images as the reference code does (docs/method.md section 4.1).
-
-    ``x = k/255 + (U - 0.5)/256`` with ``U ~ U(0, 1)`` i.i.d. per pixel, then clamped to
-    ``[alpha, 1 - alpha]``. The noise is bounded by ``1/512`` in absolute value (the clamp only moves values
-    towards the pixel).
-
-    Args:
-        images: uint8 (or integer-valued) tensor of any shape with values in ``0..255``.
-        generator: optional random generator for reproducible noise (e.g. for evaluation).
-        alpha: clamp margin; ``0`` disables clamping away from the borders.
-        dtype: floating dtype of the result.
-
-    Returns:
-        A float tensor of the same shape with values in ``[alpha, 1 - alpha]``.
-    """
+    """The reference dequantisation of integer images in ``0..255``: ``x = k/255 + (U - 0.5)/256`` clamped to
+    ``[alpha, 1 - alpha]`` (``alpha = 0``: no margin). The noise is at most ``1/512``; the clamp only moves values
+    towards the pixel."""
     _check_alpha(alpha)
     x = images.to(dtype) / 255.0
     x = x + (_uniform_like(images, generator, dtype) - 0.5) / 256.0
@@ -120,20 +108,8 @@ def dequantize_squeeze(
     alpha: float = DEFAULT_ALPHA,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Invertible dequantisation: ``x' = alpha + (1 - 2 alpha) (k + U)/256`` (docs/method.md section 4.1, evaluation).
-
-    ``x~ = (k + U)/256`` partitions ``[0, 1)`` into the 256 pixel bins; the affine squeeze keeps ``x'`` inside
-    ``[alpha, 1 - alpha]`` without clamping, so the map is invertible (:func:`inverse_squeeze`).
-
-    Args:
-        images: uint8 (or integer-valued) tensor with values in ``0..255``.
-        generator: optional random generator for reproducible noise.
-        alpha: squeeze margin in ``[0, 0.5)``.
-        dtype: floating dtype of the result.
-
-    Returns:
-        A float tensor of the same shape with values in ``[alpha, 1 - alpha]``.
-    """
+    """Invertible dequantisation ``x' = alpha + (1 - 2 alpha) (k + U)/256``: ``(k + U)/256`` partitions ``[0, 1)``
+    into the 256 pixel bins, and the affine squeeze keeps ``x'`` inside ``[alpha, 1 - alpha]`` without a clamp."""
     _check_alpha(alpha)
     x_tilde = (images.to(dtype) + _uniform_like(images, generator, dtype)) / 256.0
     return alpha + (1.0 - 2.0 * alpha) * x_tilde
@@ -146,35 +122,20 @@ def inverse_squeeze(x: torch.Tensor, alpha: float = DEFAULT_ALPHA) -> torch.Tens
 
 
 def logit_transform(x: torch.Tensor, alpha: float = DEFAULT_ALPHA) -> torch.Tensor:
-    """``y = logit(x) = log x - log(1 - x)`` after clamping ``x`` to ``[alpha, 1 - alpha]``.
-
-    Values already inside the interval (the output of :func:`dequantize` or :func:`dequantize_squeeze` with
-    the same ``alpha``) are not changed by the clamp.
-    """
+    """``y = log x - log(1 - x)`` after clamping ``x`` to ``[alpha, 1 - alpha]`` (a no-op on dequantised data)."""
     _check_alpha(alpha)
     x = x.clamp(alpha, 1.0 - alpha)
     return torch.log(x) - torch.log1p(-x)
 
 
 def inverse_logit(y: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`logit_transform` (the logistic sigmoid), mapping logit space back to ``(0, 1)``."""
+    """Inverse of :func:`logit_transform` (the logistic sigmoid)."""
     return torch.sigmoid(y)
 
 
 def logit_log_det(x: torch.Tensor) -> torch.Tensor:
-    """Per-sample log-determinant of the Jacobian of ``y = logit(x)``.
-
-    ``dy/dx = 1/(x (1 - x))``, so ``log|det J| = sum_d [-log x_d - log(1 - x_d)]``, summed over every
-    dimension but the first (batch) one.
-
-    Args:
-        x: tensor ``[B, ...]`` with values in ``(0, 1)``.
-
-    Returns:
-        Tensor ``[B]``.
-    """
-    per_dim = -torch.log(x) - torch.log1p(-x)
-    return per_dim.reshape(x.shape[0], -1).sum(dim=1)
+    """``log|det dy/dx|`` [B] of ``y = logit(x)``, ``x`` [B, ...] in ``(0, 1)``: ``sum_d -log x_d - log(1 - x_d)``."""
+    return (-torch.log(x) - torch.log1p(-x)).reshape(x.shape[0], -1).sum(dim=1)
 
 
 def bits_per_dim(
@@ -201,15 +162,6 @@ def bits_per_dim(
     For data pre-processed with :func:`dequantize_squeeze`, pass the same ``alpha``; for the reference clamp
     pipeline (:func:`dequantize`, ``alpha = 0`` here) the figure is approximate because the clamp is not
     invertible and the noise is centred on ``k/255`` rather than on the bin centres.
-
-    Args:
-        log_prob_logit_space: ``[B]`` log-density ``log p(y)`` in nats.
-        x_unit: ``[B, ...]`` the values in ``(0, 1)`` whose logit was fed to the model (``sigmoid(y)``).
-        n_bins: number of pixel levels (256 for 8-bit data).
-        alpha: squeeze margin used in pre-processing (0 for none).
-
-    Returns:
-        Tensor ``[B]`` of bits per dimension.
     """
     _check_alpha(alpha)
     if log_prob_logit_space.dim() != 1 or log_prob_logit_space.shape[0] != x_unit.shape[0]:
@@ -239,13 +191,7 @@ def preprocess(
     alpha: float = DEFAULT_ALPHA,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Map uint8 images to model space (same shape, float32).
-
-    * ``"logit"``: ``logit(clamp(k/255 + (U - 0.5)/256, alpha, 1 - alpha))`` (reference pipeline),
-    * ``"unit"``: ``clamp(k/255 + (U - 0.5)/256, alpha, 1 - alpha)``,
-    * ``"logit_squeeze"``: ``logit(alpha + (1 - 2 alpha)(k + U)/256)`` (invertible),
-    * ``"pixels"``: ``k/255`` (no noise, ``alpha`` unused; NCSN's input convention).
-    """
+    """Map uint8 images to model space (same shape, float32) by one of the pipelines of :data:`TRANSFORMS`."""
     check_transform(transform)
     if transform == "pixels":
         return images.to(torch.float32) / 255.0
@@ -275,16 +221,10 @@ def to_unit(x: torch.Tensor, transform: str = "logit", alpha: float = DEFAULT_AL
 
 @dataclasses.dataclass(frozen=True)
 class ImageCodec:
-    """The map between model space and 8-bit images of one pre-processing pipeline.
-
-    Holds only plain values (:meth:`as_dict` / :meth:`from_dict`), so a model can keep it in its checkpoint
-    and decode samples or report bits/dim without the data module. Construction validates every field.
-
-    Args:
-        transform: one of :data:`TRANSFORMS`.
-        alpha: clamp/squeeze margin: in ``(0, 0.5)`` for the logit pipelines, ``[0, 0.5)`` for ``"unit"`` and
-            ``"pixels"`` (which ignores it).
-        image_shape: shape of one image, e.g. ``(1, 28, 28)``.
+    """The map between model space and 8-bit images of one pre-processing pipeline (``transform`` of
+    :data:`TRANSFORMS`, its ``alpha``, one image's shape), validated on construction. Plain values only
+    (:meth:`as_dict`), so a model keeps it in its checkpoint and decodes samples or reports bits/dim without the
+    data module.
 
     >>> codec = ImageCodec("logit_squeeze", 1e-3, (1, 2, 2))
     >>> images = torch.tensor([[[[0, 64], [128, 255]]]], dtype=torch.uint8)
@@ -320,17 +260,13 @@ class ImageCodec:
 
     @property
     def exact_bits_per_dim(self) -> bool:
-        """Whether :meth:`bits_per_dim` is exact: only the invertible ``"logit_squeeze"`` pipeline is (``"pixels"``
-        has none)."""
+        """Whether :meth:`bits_per_dim` is exact: only for the invertible ``"logit_squeeze"``."""
         return self.transform == "logit_squeeze"
 
     def to_images(self, x: torch.Tensor) -> torch.Tensor:
-        """Map model-space samples ``[B, ...]`` (``dim`` values each) to images ``[B, *image_shape]`` in ``[0, 1]``.
-
-        Inverts the transform up to the dequantisation noise (:func:`to_unit`): for ``"logit_squeeze"`` a
-        pixel ``k`` comes back inside its bin ``[k/256, (k+1)/256)``, for the clamp pipelines within
-        ``1/512`` of ``k/255``, for ``"pixels"`` as ``k/255`` exactly (samples are clamped to ``[0, 1]``).
-        """
+        """Model-space samples ``[B, ...]`` to images ``[B, *image_shape]`` in ``[0, 1]`` (:func:`to_unit`): a pixel
+        ``k`` comes back inside its bin for ``"logit_squeeze"``, within ``1/512`` of ``k/255`` for the clamp
+        pipelines, exactly ``k/255`` for ``"pixels"``."""
         if x.dim() < 1 or math.prod(x.shape[1:]) != self.dim:
             raise ValueError(
                 f"expected a batch [B, ...] of {self.dim} values per sample (images {self.image_shape}), "
@@ -341,13 +277,8 @@ class ImageCodec:
         return rearrange(flat, "b (c h w) -> b c h w", c=c, h=h, w=w)
 
     def bits_per_dim(self, log_prob: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Pixel-space bits/dim ``[B]`` (float64) of model-space samples ``x`` of model log-density ``log_prob``.
-
-        Uses :func:`bits_per_dim` with the logit Jacobian (and the squeeze Jacobian for ``"logit_squeeze"``);
-        for ``"unit"`` ``log_prob`` is already a density on ``[0, 1]^D``. Exact for ``"logit_squeeze"``,
-        approximate for the reference clamp pipelines (see :attr:`exact_bits_per_dim`); ``"pixels"`` raises
-        ``ValueError`` (discrete data have no density).
-        """
+        """Pixel-space bits/dim ``[B]`` (float64) of model-space samples ``x`` of log-density ``log_prob`` (for
+        ``"unit"`` already a density on ``[0, 1]^D``); ``"pixels"`` raises ``ValueError`` (discrete data)."""
         if self.transform == "pixels":
             raise ValueError("transform 'pixels' keeps the 256 pixel values discrete: a density has no bits/dim "
                              "there; use 'logit_squeeze' (exact) for likelihoods")

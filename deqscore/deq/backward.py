@@ -19,9 +19,6 @@ def require_backward(module: nn.Module, order: int, user: str) -> None:
     cannot give derivatives of ``order`` through it (1: a parameter gradient; 2: a parameter gradient of an input
     derivative, as every score-matching loss of an energy takes). ``user`` names what asks (a loss, a model).
 
-    This is the one place that decides which backward modes a model may use; a wrong choice would otherwise give
-    silently wrong gradients.
-
     >>> from torch import nn
     >>> class Map(nn.Module):
     ...     def forward(self, z, u):
@@ -47,11 +44,8 @@ def require_backward(module: nn.Module, order: int, user: str) -> None:
 
 @contextmanager
 def deq_backward(module: nn.Module, backward: str) -> Iterator[None]:
-    """Temporarily set the backward mode of every DEQ layer inside ``module``.
-
-    Used to evaluate a second-order metric (e.g. exact SM) of a model trained with ``backward="ift"``:
-    ``"unroll"`` gives the exact derivatives of the converged layer.
-    """
+    """Temporarily set the backward mode of every DEQ layer inside ``module`` (e.g. ``"unroll"``, for the exact
+    derivatives of the converged layer in a second-order metric of a model trained with ``backward="ift"``)."""
     check_backward(backward)
     layers = [m for m in module.modules() if isinstance(m, DEQ)]
     saved = [m.backward for m in layers]

@@ -4,31 +4,24 @@
 records depends on ``backward``:
 
 * ``"phantom"`` (default): ``phantom_steps`` K damped steps ``z <- lam*func(z, u) + (1-lam)*z`` from the
-  detached fixed point. Their derivative is the K-term Neumann truncation of the implicit derivative and,
-  because they are ordinary autograd operations, ``create_graph=True`` (second derivatives, score matching)
-  works through them. Activation memory depends on K, not on the solver iterations.
+  detached fixed point: the K-term Neumann truncation of the implicit derivative, in ordinary autograd
+  operations, so second derivatives (score matching) work through them; memory depends on K only.
 * ``"unroll"``: every Picard iteration recorded (the memory-hungry exact reference for tests and benchmarks).
-* ``"ift"``: one re-attaching step whose gradient is corrected by a backward hook solving
-  ``g = J^T g + grad``: exact for first-order losses. Such a hook records no graph, so a second derivative
-  through it would silently be wrong; the hook therefore raises when called with grad mode on
-  (``create_graph=True``).
-* ``"implicit"``: derivatives of every order of the exact fixed point (:mod:`.implicit`): the backward solves the
-  adjoint fixed point with the same solver, in differentiable operations, so each further derivative is one more
-  solve. Memory: a few evaluations of the map's graph at the fixed points, independent of the iterations. A map
-  that declares itself linear in ``z`` (``affine_weight()``) is solved directly, by one linear solve.
-  The backward ("adjoint") solves use the forward's solver, ``max_iter``, ``per_sample`` and ``check_every``,
-  with ``tol`` as a relative residual (the scale of a gradient is arbitrary); their statistics are
-  ``adjoint_stats`` (per nesting level) and they warn like the forward solve.
+* ``"ift"``: one re-attaching step whose gradient a backward hook corrects by solving ``g = J^T g + grad``:
+  exact for first-order losses. The hook records no graph, so it raises under ``create_graph=True`` rather
+  than give a silently wrong second derivative.
+* ``"implicit"``: derivatives of every order of the exact fixed point (:mod:`.implicit`), each one more adjoint
+  solve in differentiable operations; memory: a few evaluations of the map's graph, whatever the iterations. A map
+  linear in ``z`` (``affine_weight()``) is solved directly. The adjoint solves use the forward's solver options
+  with ``tol`` as a relative residual (a gradient's scale is arbitrary); their statistics are ``adjoint_stats``.
 
-Under autocast (``--trainer.precision bf16-mixed`` / ``16-mixed``) the solve, its residuals, the Anderson and
-Broyden linear algebra and the IFT backward run in float32 with autocast disabled (inputs upcast: a bfloat16
-residual cannot meet a tolerance of 1e-5, and ``linalg.solve`` has no bfloat16 kernel); the phantom steps, the
-only differentiable part, run under the surrounding autocast.
+Under autocast the solve, its residuals, the solvers' linear algebra and the IFT backward run in float32 (a
+bfloat16 residual cannot meet a tolerance of 1e-5, and ``linalg.solve`` has no bfloat16 kernel); the phantom
+steps, the only differentiable part, run under the surrounding autocast.
 
-``check_every`` trades the per-iteration host sync of the stopping test for fewer checks: with ``k > 1`` the
-residual is read every ``k``-th iteration, with ``0`` never (``max_iter`` iterations, the same for the IFT
-backward with ``ift_max_iter``). The statistics then stay device tensors (:meth:`DEQ.read_deferred` reads them
-together), and non-convergence is counted on the device and warned when they are read.
+``check_every`` (``k > 1``: the residual read every ``k``-th iteration, ``0``: never) spares the per-iteration
+host sync of the stopping test; the statistics then stay device tensors, non-convergence is counted on the device
+and warned when :meth:`DEQ.read_deferred` reads them.
 
 >>> import torch
 >>> from torch import nn
@@ -106,9 +99,8 @@ class DEQ(nn.Module):
             ``"unroll"``, whose derivative depends on the start).
         ift_max_iter, ift_tol: iteration cap and tolerance of the IFT backward's fixed-point solve.
         warn_on_nonconvergence: emit :class:`DEQConvergenceWarning` when ``max_iter`` is hit.
-        check_every: host convergence test every this many iterations of the forward solve and of the IFT
-            backward's (1: every iteration, today's behaviour; 0: never, fixed ``max_iter`` / ``ift_max_iter``
-            iterations); other than 1, nothing in the solve waits for the device (see the module docstring).
+        check_every: host convergence test every this many iterations of the forward and IFT backward solves
+            (1: every one; 0: never, ``max_iter`` / ``ift_max_iter`` iterations; see the module docstring).
     """
 
     def __init__(
@@ -155,11 +147,9 @@ class DEQ(nn.Module):
         self.stats: SolverStats | None = None
         # backward="implicit": the last adjoint solve of each nesting level (1: a first derivative's, 2: ...)
         self.adjoint_stats: dict[int, SolverStats] = {}
-        # check_every != 1: device counters since the last read_deferred() (not in checkpoints, like z_cache):
-        # solves that missed their tolerance, IFT backward solves that missed theirs, and solves counted
+        # check_every != 1: device counters since the last read_deferred() (not in checkpoints, like z_cache)
         self._pending: dict[str, torch.Tensor] = {}
-        # IFT backward solves since construction (or a resume) and those that stopped at ift_max_iter without
-        # meeting ift_tol: a device tensor [solves, failures], updated without a host sync (ift_failure_fraction)
+        # [IFT backward solves, those that missed ift_tol] since construction, on the device (ift_failure_fraction)
         self.ift_counts: torch.Tensor | None = None
         # Plain data, never in checkpoints; every process (DDP rank) keeps its own. Not a buffer: the set of a
         # module's buffers must not change when a forward fills the cache (weight averaging pairs buffers by order).
@@ -207,8 +197,7 @@ class DEQ(nn.Module):
         self.ift_counts = step if self.ift_counts is None else self.ift_counts.to(step.device) + step
 
     def ift_failure_fraction(self) -> torch.Tensor | None:
-        """The fraction of this layer's IFT backward solves (since construction or a resume) that stopped at
-        ``ift_max_iter`` without meeting ``ift_tol``, a device tensor; None before the first IFT backward."""
+        """The fraction of IFT backward solves that missed ``ift_tol`` (device tensor; None before the first)."""
         if self.ift_counts is None:
             return None
         return self.ift_counts[1] / self.ift_counts[0]
@@ -218,9 +207,8 @@ class DEQ(nn.Module):
         self._pending[name] = self._pending[name] + value if name in self._pending else value
 
     def take_deferred(self) -> dict[str, torch.Tensor]:
-        """The device counters since the last take (emptied), for a layer with ``check_every != 1``: ``solves``,
-        ``unconverged`` (forward solves that missed ``tol``) and ``backward_failures`` (IFT backward solves that
-        missed ``ift_tol``). Reading them is the caller's host sync (batched with others by the training step)."""
+        """The device counters ``solves``, ``unconverged`` and ``backward_failures`` since the last take (emptied);
+        reading them is the caller's host sync (batched with others by the training step)."""
         pending, self._pending = self._pending, {}
         return pending
 
@@ -404,8 +392,7 @@ class DEQ(nn.Module):
 
 @contextmanager
 def _float32_solve(u: torch.Tensor) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
-    """Within an autocast region: autocast off and a cast of half-precision tensors to float32, for the solve.
-    Outside one (the default): nothing changes, the cast is the identity."""
+    """Within an autocast region: autocast off and a cast of half-precision tensors to float32; else the identity."""
     device = u.device.type
     if not torch.is_autocast_enabled(device):
         yield lambda t: t

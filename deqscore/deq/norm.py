@@ -97,12 +97,9 @@ def spectral_normalize(
     input_shape: tuple[int, int, int] | None = None,
     eps: float = 1e-12,
 ) -> nn.Module:
-    """Parametrise ``module.weight`` to have spectral norm 1 (Linear or Conv2d).
-
-    For ``nn.Conv2d`` give ``input_shape=(C, H, W)`` to normalise the true operator norm of the convolution;
-    without it the kernel is reshaped to a matrix ``[out, in*k*k]``, whose norm is only a heuristic there.
-    The power-iteration vector persists across calls, so one iteration per forward converges during training.
-    """
+    """Parametrise ``module.weight`` (Linear or Conv2d) to spectral norm 1; for a convolution, ``input_shape=(C, H, W)``
+    normalises its true operator norm (else the reshaped kernel's, a heuristic). The power-iteration vector persists
+    across calls, so one iteration per forward converges during training."""
     if not isinstance(module, nn.Linear | nn.Conv2d):
         raise TypeError(f"spectral_normalize supports nn.Linear and nn.Conv2d, got {type(module).__name__}")
     conv = None

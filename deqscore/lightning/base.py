@@ -44,6 +44,7 @@ import importlib
 import inspect
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import pytorch_lightning as pl
@@ -71,9 +72,8 @@ class CheckpointFamilyError(ValueError):
 
 
 def family_registry() -> dict[str, type[ScoreModule]]:
-    """Model family name -> LightningModule class, read from the families' declarations (:mod:`deqscore.families`),
-    each of which names its module's class path: a family without a declaration is unknown, and a new family's
-    module file needs no registration and no import elsewhere."""
+    """Model family name -> LightningModule class, from the class paths of the declarations (:mod:`deqscore.families`):
+    a new family's module needs no registration and no import elsewhere."""
     return {name: _located(declared.module) for name, declared in declarations().items()}
 
 
@@ -159,9 +159,8 @@ class ScoreModule(NonFiniteStops, pl.LightningModule):
         return getattr(trainer, "datamodule", None) if trainer is not None else None
 
     def check_run(self, trainer: pl.Trainer, datamodule: Any) -> None:
-        """Raise ConfigError if this module cannot run with ``trainer`` and ``datamodule`` (e.g. an unsuitable
-        strategy or data transform). The CLI calls it, and every callback's ``check_run``, before anything is
-        written; ``setup`` calls it again for trainers built in Python."""
+        """Raise ConfigError if this module cannot run with ``trainer`` and ``datamodule``; called before anything is
+        written (and again by ``setup``, for trainers built in Python)."""
 
     def setup(self, stage: str) -> None:
         datamodule = self.datamodule()
@@ -197,6 +196,30 @@ class ScoreModule(NonFiniteStops, pl.LightningModule):
     # ----- shared machinery --------------------------------------------------------------------------
     def deq_layers(self) -> list[DEQ]:
         return [m for m in self.modules() if isinstance(m, DEQ)]
+
+    @contextmanager
+    def sampling_mode(self, warm: bool | None = None) -> Iterator[None]:
+        """The network in eval mode and, unless ``warm`` is None, every DEQ layer's warm start set to ``warm`` from an
+        empty cache (a sampler's consecutive evaluations move x a little); all restored on exit."""
+        was_training = self.net.training
+        layers = [] if warm is None else self.deq_layers()
+        saved = [(d.warm_start, d.z_cache) for d in layers]
+        self.net.eval()
+        for d in layers:
+            d.warm_start, d.z_cache = warm, None
+        try:
+            yield
+        finally:
+            self.net.train(was_training)
+            for d, (warm_start, cache) in zip(layers, saved, strict=True):
+                d.warm_start, d.z_cache = warm_start, cache
+
+    def check_image_shape(self, family: str) -> None:
+        """ConfigError when the data's images are not of the network's ``image_shape``."""
+        codec = self.image_codec
+        if codec is not None and tuple(codec.image_shape) != self.net.image_shape:
+            raise ConfigError(f"{family} net image shape {self.net.image_shape} differs from the data's "
+                              f"{tuple(codec.image_shape)}: set net `channels` to the data's")
 
     def _deq_stats(self) -> dict[str, float | torch.Tensor]:
         stats = [d.stats for d in self.deq_layers() if d.stats is not None]

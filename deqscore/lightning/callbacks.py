@@ -19,10 +19,8 @@ from ..sampling import pyplot, save_image_grid
 
 
 def run_dir(trainer: pl.Trainer) -> Path:
-    """The run directory: the first logger's log_dir, else the trainer's root dir.
-
-    (Not ``trainer.log_dir``: it broadcasts across processes, which hangs when called on rank zero only.)
-    """
+    """The first logger's log_dir, else the trainer's root dir (``trainer.log_dir`` broadcasts across processes,
+    which hangs when called on rank zero only)."""
     log_dir = getattr(trainer.loggers[0], "log_dir", None) if trainer.loggers else None
     return Path(log_dir or trainer.default_root_dir)
 
@@ -42,12 +40,9 @@ def averaged_weights(trainer: pl.Trainer, module: pl.LightningModule) -> Iterato
 
 
 class SampleGrid(pl.Callback):
-    """Write a PNG grid of ``n_samples`` model samples every ``every_n_epochs`` epochs and at the end of fit.
-
-    Files: ``<run>/samples/epoch_<e>.png`` and ``<run>/samples.png``. Images come from
-    :meth:`ScoreModule.sample_images`, which undoes the data module's transform; like validation and the final grid
-    they are drawn from the averaged weights when a weight-averaging callback (EMA) is in use.
-    """
+    """Write a PNG grid of ``n_samples`` model samples (:meth:`ScoreModule.sample_images`, from the averaged weights
+    under EMA) every ``every_n_epochs`` epochs, ``<run>/samples/epoch_<e>.png``, and at the end of fit,
+    ``<run>/samples.png``."""
 
     def __init__(self, n_samples: int = 64, every_n_epochs: int = 0):
         self.n_samples, self.every_n_epochs = n_samples, every_n_epochs

@@ -198,14 +198,9 @@ class DKEFModule(ScoreModule):
         derivatives of the converged model (as every reported figure); the noise comes from ``generator``
         (default: seeded from torch's RNG, so ``torch.manual_seed`` fixes the samples)."""
         device, dtype = self.net.centres.device, self.net.centres.dtype
-        was_training = self.net.training
-        self.net.eval()
-        try:
-            with deq_backward(self.net, "unroll"):
-                return self.sampler(self.net.log_density, (n, self.net.dim), generator or seeded_generator(device),
-                                    device=device, dtype=dtype)
-        finally:
-            self.net.train(was_training)
+        with self.sampling_mode(), deq_backward(self.net, "unroll"):
+            return self.sampler(self.net.log_density, (n, self.net.dim), generator or seeded_generator(device),
+                                device=device, dtype=dtype)
 
     # ----- the final stage ------------------------------------------------------------------------------------
     def closing_stage(self, datamodule: Any) -> None:

@@ -29,6 +29,7 @@ from ..errors import ConfigError
 from ..models.edm import EDM, EDMLoss
 from ..sampling.cost import counting_cost
 from ..sampling.heun import EDMHeun
+from ..sampling.langevin import seeded_generator
 from .base import ScoreModule
 
 
@@ -54,10 +55,7 @@ class EDMModule(ScoreModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        codec = self.image_codec
-        if codec is not None and tuple(codec.image_shape) != self.net.image_shape:
-            raise ConfigError(f"EDM net image shape {self.net.image_shape} differs from the data's "
-                              f"{tuple(codec.image_shape)}: set net `channels` to the data's")
+        self.check_image_shape("EDM")
 
     def compute_loss(self, x: torch.Tensor) -> torch.Tensor:
         return self.loss(self.net, 2 * x - 1)
@@ -68,21 +66,9 @@ class EDMModule(ScoreModule):
         each DEQ solve started from the previous evaluation's fixed point; ``x_0`` comes from ``generator``
         (default: seeded from torch's RNG, so ``torch.manual_seed`` fixes the samples)."""
         device = next(self.net.parameters()).device
-        if generator is None:
-            seed = int(torch.randint(0, 2**62, (1,)).item())
-            generator = torch.Generator(device=device).manual_seed(seed)
-        was_training = self.net.training
-        layers = self.deq_layers()
-        saved = [(d.warm_start, d.z_cache) for d in layers]
-        self.net.eval()
-        for d in layers:
-            d.warm_start, d.z_cache = warm, None
-        try:
+        generator = generator or seeded_generator(device)
+        with self.sampling_mode(warm):
             y = self.sampler(self.net, (n, self.net.dim), generator, device=device)
-        finally:
-            self.net.train(was_training)
-            for d, (warm_start, cache) in zip(layers, saved, strict=True):
-                d.warm_start, d.z_cache = warm_start, cache
         return ((y + 1) / 2).clamp(0, 1)
 
     def sampling_cost(self, n: int = 16, seed: int = 0) -> dict[str, float]:

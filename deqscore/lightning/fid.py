@@ -12,8 +12,7 @@ first samples is saved as ``<run>/fid/epoch_<e>.png``, and the checkpoint of the
 places).
 
 The reference statistics are those of the data module's training split
-(:func:`deqscore.metrics.reference.dataset_stats`),
-computed once and cached under ``stats_root``.
+(:func:`deqscore.metrics.reference.dataset_stats`), computed once and cached under ``stats_root``.
 
 Config::
 

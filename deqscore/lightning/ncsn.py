@@ -33,7 +33,6 @@ from jsonargparse import lazy_instance
 from pytorch_lightning.utilities import rank_zero_info
 
 from ..deq import require_backward
-from ..errors import ConfigError
 from ..losses import SCHEDULES, AnnealedLoss, build_loss, loss_names, noise_schedule
 from ..losses.annealed import schedule_from_data
 from ..models import NCSN
@@ -80,10 +79,7 @@ class NCSNModule(ScoreModule):
         super().setup(stage)
         if stage == "fit" and self.schedule_from_data:
             self._schedule_from(self.datamodule())
-        codec = self.image_codec
-        if codec is not None and tuple(codec.image_shape) != self.net.image_shape:
-            raise ConfigError(f"NCSN net image shape {self.net.image_shape} differs from the data's "
-                              f"{tuple(codec.image_shape)}: set net `channels` to the data's")
+        self.check_image_shape("NCSN")
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 - torch's signature
         self.sigmas = fn(self.sigmas)
@@ -120,15 +116,5 @@ class NCSNModule(ScoreModule):
         fixes the samples)."""
         device = self.sigmas.device
         generator = generator or seeded_generator(device)
-        was_training = self.net.training
-        layers = self.deq_layers()
-        saved = [(d.warm_start, d.z_cache) for d in layers]
-        self.net.eval()
-        for d in layers:  # consecutive Langevin steps move x a little: each solve starts from the last fixed point
-            d.warm_start, d.z_cache = True, None
-        try:
+        with self.sampling_mode(warm=True):
             return self.sampler(self.net, (n, self.net.dim), self.sigmas, generator, device=device)
-        finally:
-            self.net.train(was_training)
-            for d, (warm, cache) in zip(layers, saved, strict=True):
-                d.warm_start, d.z_cache = warm, cache

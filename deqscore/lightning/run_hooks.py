@@ -74,9 +74,8 @@ class ResumeFixes(pl.Callback):
     states do not match the module's optimisers is refused (Lightning would restore the ones it has and silently
     start the others afresh).
 
-    A run that ends between two checkpoints (at ``max_steps`` in the middle of an epoch) writes
-    ``last.ckpt`` at its last step: Lightning writes it at the end of training only when it wrote none before, so it
-    kept the last epoch's end and lost the steps after it."""
+    A run that ends mid-epoch (at ``max_steps``) writes ``last.ckpt`` at its last step (Lightning would keep the last
+    epoch's end when it wrote one before)."""
 
     def __init__(self) -> None:
         self._resumed_after_epoch = False
@@ -162,10 +161,8 @@ class ClosingStage(pl.Callback):
     """After fit, a family's closing stage: the best checkpoint's weights are restored, the module's
     ``closing_stage(datamodule)`` runs, and the result is saved through the trainer as ``checkpoints/final.ckpt``.
 
-    The stage is a resumable step: a fit resumed from a run whose training is done but which has no
-    ``final.ckpt`` (the stage was killed, or stopped with an error whose advice the resume follows) runs the stage
-    and says so. Families without a closing stage (``closing_stage`` is None) and smoke runs (``fast_dev_run``)
-    skip it."""
+    A fit resumed from a run whose training is done but has no ``final.ckpt`` runs the stage and says so. Families
+    without a closing stage (``closing_stage`` None) and smoke runs (``fast_dev_run``) skip it."""
 
     def __init__(self) -> None:
         self._done = False

@@ -230,9 +230,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def checkpoint_log_step(ckpt: dict[str, Any]) -> int:
-    """The logging step a run resumed from ``ckpt`` continues at (Lightning's count of optimizer-stepping batches).
-    A checkpoint saved at a training batch's end (a mid-epoch or preemption checkpoint) holds the count before that
-    batch's; Lightning adds the batch when it resumes, and so does this."""
+    """The logging step a run resumed from ``ckpt`` continues at (Lightning's count of optimizer-stepping batches,
+    plus the batch a checkpoint saved at a batch's end does not count yet, as Lightning adds it on resume)."""
     return checkpoint_batches_that_stepped(ckpt) + saved_at_batch_end(ckpt)
 
 

@@ -141,9 +141,5 @@ class VAEModule(ScoreModule):
     def sample(self, n: int) -> torch.Tensor:
         """Decoder means of ``n`` prior draws, ``[n, dim]`` in [0, 1]."""
         device = next(self.net.parameters()).device
-        was_training = self.net.training
-        self.net.eval()
-        try:
+        with self.sampling_mode():
             return self.net.decode_mean(torch.randn(n, self.net.z_dim, device=device))
-        finally:
-            self.net.train(was_training)

@@ -68,10 +68,8 @@ def loss_names(*kinds: type[Loss]) -> tuple[str, ...]:
 
 
 def build_loss(spec: str | Loss, *kinds: type[Loss], key: str = "loss") -> Loss:
-    """The loss named ``spec`` (built with its defaults) or ``spec`` itself; it must be one of ``kinds``.
-
-    Raises :class:`~deqscore.errors.ConfigError` naming ``key`` and the accepted names otherwise.
-    """
+    """The loss named ``spec`` (built with its defaults) or ``spec`` itself, if one of ``kinds``; otherwise a
+    :class:`~deqscore.errors.ConfigError` naming ``key`` and the accepted names."""
     kinds = kinds or (Loss,)
     if isinstance(spec, str):
         if spec not in loss_names(*kinds):

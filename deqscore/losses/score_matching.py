@@ -54,10 +54,8 @@ def score_from_energy(energy_fn: Callable[[Tensor], Tensor]) -> ScoreFn:
 
 
 def prepare_input(x: Tensor) -> Tensor:
-    """Check ``x`` is a finite floating-point batch ``[B, ...]`` and return a detached leaf copy requiring grad.
-
-    Every loss takes its input through here, so these are the input checks of all of them.
-    """
+    """Check ``x`` is a finite floating-point batch ``[B, ...]`` (the input checks of every loss) and return a
+    detached leaf copy requiring grad."""
     if not isinstance(x, Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if not torch.is_floating_point(x):
@@ -112,11 +110,8 @@ def random_projections(like: Tensor, kind: str = "rademacher") -> Tensor:
 
 
 def exact_score_matching(score_fn: ScoreFn, x: Tensor, create_graph: bool = True) -> Tensor:
-    """``0.5 ||s(x)||^2 + tr(grad_x s(x))`` per sample.
-
-    The trace comes from one batched vector-Jacobian product over the D unit vectors
-    (``is_grads_batched``), not a Python loop over dimensions. Memory grows like ``D * B * D``.
-    """
+    """``0.5 ||s(x)||^2 + tr(grad_x s(x))`` per sample, the trace from one batched vector-Jacobian product over the D
+    unit vectors (``is_grads_batched``; memory grows like ``D * B * D``)."""
     x = prepare_input(x)
     s = checked_score(score_fn, x)
     d = x[0].numel()
@@ -137,10 +132,8 @@ def sliced_score_matching(
     projection: str = "rademacher",
     variance_reduction: bool = False,
 ) -> Tensor:
-    """SSM ``0.5 (v.s)^2 + v.grad_x(v.s)`` or, with ``variance_reduction``, SSM-VR ``0.5||s||^2 + v.grad_x(v.s)``.
-
-    Averaged over ``n_projections`` vectors per sample (``x`` is repeated, one projection per copy).
-    """
+    """SSM ``0.5 (v.s)^2 + v.grad_x(v.s)`` or, with ``variance_reduction``, SSM-VR ``0.5||s||^2 + v.grad_x(v.s)``,
+    averaged over ``n_projections`` vectors per sample (``x`` repeated, one projection per copy)."""
     check_count("n_projections", n_projections, error=ValueError)
     if projection not in PROJECTIONS:
         raise ValueError(f"unknown projection {projection!r}; choose one of {PROJECTIONS}")

@@ -186,10 +186,8 @@ def _fidelity_inception(weights: Path | dict[str, torch.Tensor]) -> nn.Module:
 
 
 class InceptionFeatures(nn.Module):
-    """Pool3 features (float64 ``[B, 2048]``) of the FID Inception-v3 for images ``[B, 1 or 3, H, W]``.
-
-    The network is in eval mode with frozen weights; images are resized to 299x299 inside it (see the module
-    docstring), so any resolution works.
+    """Pool3 features (float64 ``[B, 2048]``) of the frozen FID Inception-v3 for images ``[B, 1 or 3, H, W]`` of any
+    resolution (resized inside it, see the module docstring).
 
     Args:
         weights: a weights file (None: :func:`resolve_inception_weights`).

@@ -61,14 +61,9 @@ def _storage_nbytes(t: torch.Tensor) -> int:
 
 
 class SavedTensorMeter:
-    """Context manager summing the distinct storages autograd saves while active.
-
-    Each storage is counted once (a tensor saved by several nodes is one allocation); storages of the tensors in
-    ``exclude`` (the parameters) are not counted, since they exist whether or not autograd records. Storages are
-    told apart by address, so every saved tensor is kept alive until the meter exits: a storage freed during the
-    step (a sub-graph dropped before backward) would otherwise hand its address to a later one, which would then go
-    uncounted.
-    """
+    """Context manager summing the distinct storages autograd saves while active, each once, those of ``exclude``
+    (the parameters) left out. Storages are told apart by address, so every saved tensor is kept alive until exit:
+    a storage freed during the step would otherwise hand its address to a later one, which would go uncounted."""
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()):
         self._excluded = {_storage_key(p) for p in exclude}

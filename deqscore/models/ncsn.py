@@ -9,12 +9,10 @@ norm++, ELU, ``end_conv`` (ngf -> C), ``/ sigma``. Bodies (``body=``):
   third and fourth are dilated by 2 and 4) and four RefineNet blocks.
 * ``"shallow"``: the explicit baseline, residual blocks ngf -> 2 ngf (dilation 2) and 2 ngf -> 2 ngf
   (dilation 4) at full resolution, one RefineNet block on ``[that, begin_conv output]``.
-* ``"deq"``: a weight-tied residual block at full resolution inside :class:`deqscore.deq.DEQ`,
-  ``z* = RB(z*) / w + u`` with ``u`` the ``begin_conv`` output and ``w = 2 ||conv1||_F ||conv2||_F``, then two
-  residual blocks (ngf -> ngf -> 2 ngf) and two RefineNet blocks built from plain two-convolution residual units,
-  on ``[that, z*]`` and ``[that, u]``. The reference code's pre-step applied the block twice
-  (``RB(RB(z*)) / w``, so the re-attached state is not the fixed point); ``double_prestep=True`` reproduces it
-  when the DEQ uses ``injection_prestep``.
+* ``"deq"`` (:class:`DEQBody`): a weight-tied residual block inside :class:`deqscore.deq.DEQ` at half resolution,
+  ``z* = RB(z*) / w + u``, ``w = 2 ||conv1||_F ||conv2||_F``; ``"deq_full"`` (:class:`FullResDEQBody`) the reference
+  design, the fixed point at full resolution. The reference code's pre-step applied the block twice
+  (``RB(RB(z*)) / w``: the re-attached state is not the fixed point); ``double_prestep=True`` reproduces it.
 
 DSM and FD-SSM need only first derivatives of the output through the DEQ, so ``backward="ift"`` is exact there;
 SSM-VR differentiates the output with respect to x and needs ``"phantom"`` (the Lightning module refuses IFT).
@@ -70,11 +68,8 @@ def conv3x3(c_in: int, c_out: int, bias: bool = True, dilation: int = 1) -> nn.C
 
 
 def mean_pool2(x: Tensor) -> Tensor:
-    """2x2 mean pooling (stride 2, an odd last row or column dropped), equal to ``F.avg_pool2d(x, 2)``.
-
-    Written as the mean of the four strided slices because autograd then saves nothing: slicing and adding need
-    only shapes in backward, whereas ``avg_pool2d`` keeps its full-resolution input alive for its backward.
-    """
+    """``F.avg_pool2d(x, 2)`` as the mean of four strided slices, for which autograd saves nothing (``avg_pool2d``
+    keeps its full-resolution input alive for its backward)."""
     h, w = x.shape[-2] // 2 * 2, x.shape[-1] // 2 * 2
     x = x[..., :h, :w]
     return (x[..., ::2, ::2] + x[..., 1::2, ::2] + x[..., ::2, 1::2] + x[..., 1::2, 1::2]) / 4
@@ -92,11 +87,8 @@ class ConvMeanPool(nn.Module):
 
 
 class ResidualBlock(nn.Module):
-    """Pre-activation residual block: norm, ELU, conv, norm, ELU, conv, plus a (projected) shortcut.
-
-    ``resample="down"`` halves the resolution unless ``dilation > 1``: NCSNv2's dilated "down" blocks keep it and
-    only change the channels.
-    """
+    """Pre-activation residual block (norm, ELU, conv, norm, ELU, conv, plus a shortcut); ``resample="down"``
+    halves the resolution unless ``dilation > 1`` (NCSNv2's dilated "down" blocks only change the channels)."""
 
     def __init__(self, c_in: int, c_out: int, resample: Literal["down"] | None = None, dilation: int = 1):
         super().__init__()
@@ -233,13 +225,9 @@ class ShallowBody(nn.Module):
 
 
 class NCSNDEQMap(nn.Module):
-    """``F(z, u) = RB(z) / w + u`` with ``RB`` a residual block (identity shortcut) and
-    ``w = 2 (||conv1||_F ||conv2||_F + 1e-12)``, recomputed from the current weights.
-
-    The norm layers and the shortcut make no hard contraction guarantee (docs/method.md 2.2); the solver's
-    convergence statistics are logged. ``double_prestep`` makes :meth:`prestep_residual` apply the block twice
-    (the reference code's pre-step).
-    """
+    """``F(z, u) = RB(z) / w + u``, ``w = 2 (||conv1||_F ||conv2||_F + 1e-12)`` from the current weights. The norm
+    layers and the shortcut make no hard contraction guarantee (docs/method.md 2.2): the solver's statistics are
+    logged."""
 
     additive_injection = True  # f(z, u) = h(z) + u: the implicit backward saves no copy of u
 
@@ -278,13 +266,9 @@ class FullResDEQBody(nn.Module):
 
 
 class DEQBody(nn.Module):
-    """The DEQ body at half resolution (``body="deq"``): a residual block halves the resolution (ngf -> 2 ngf
-    channels), the fixed point ``z* = RB(z*) / w + u`` lives there, and one RefineNet block of plain units fuses
-    ``z*`` with the full-resolution ``begin_conv`` output (the skip) back to full resolution.
-
-    Every tensor the fixed point records is half the size of a full-resolution ``ngf`` map (2 ngf channels at a
-    quarter of the pixels), and the full-resolution work is the down block's and the refine block's only.
-    """
+    """The DEQ body (``body="deq"``): a down block (ngf -> 2 ngf), the fixed point there, and one RefineNet block of
+    plain units fusing ``z*`` with the full-resolution skip. Every tensor the fixed point records is half the size
+    of a full-resolution ``ngf`` map."""
 
     def __init__(self, ngf: int, deq: DEQFactory, grad_through_norm: bool = False, double_prestep: bool = False):
         super().__init__()

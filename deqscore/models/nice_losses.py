@@ -4,10 +4,9 @@ The configurable objectives :class:`MaximumLikelihood` (``mle``), :class:`Kingma
 :class:`CurvaturePropagationSM` (``cp``) take the flow itself, ``loss(flow, x) -> [B]``, and are chosen in a
 NICE config like the score losses of :mod:`deqscore.losses`.
 
-Approximate score matching for NICE with explicit m-nets: Kingma & LeCun (2010) and curvature propagation.
-
-Both losses replace the second-order autograd of exact score matching by one hand-written backward pass
-through the flow that carries the score ``g1 = d log p / dx`` together with a Hessian-diagonal quantity:
+The approximate score matching losses (Kingma & LeCun 2010; curvature propagation) replace the second-order autograd
+of exact score matching by one hand-written backward pass through the flow that carries the score
+``g1 = d log p / dx`` together with a Hessian-diagonal quantity:
 
 * :func:`kingma_score_matching` carries ``g2``, a deterministic approximation of ``diag H`` that drops every
   off-diagonal Hessian term on the way back (docs/method.md section 3.6);
@@ -134,13 +133,10 @@ def _mlp_backward(
 def _flow_backward(
     flow: NICE, x: Tensor, output_extras: Callable[[Tensor], Extras], linear_rule: LinearRule, act_rule: ActRule,
 ) -> tuple[Tensor, Extras]:
-    """Forward through the couplings (recording pre-activations), then carry ``(g1, extras)`` back to x.
-
-    ``output_extras(s)`` (``s``: log-scale broadcast to ``[B, D]``) gives the extras at ``h`` (the coupling
-    output, before the scale), where ``log p = -0.5 sum exp(2 s) h^2 + const`` and hence ``g1 = -exp(2 s) h``.
-    Both losses' extras are additive over the two branches of a coupling, so the coupling rule is shared: for
-    ``odd' = odd + m(even)``, ``g1_even = g1_even' + J_m^T g1_odd'`` (likewise the extras), ``g1_odd = g1_odd'``.
-    """
+    """Forward through the couplings (recording pre-activations), then carry ``(g1, extras)`` back to x, from
+    ``output_extras(s)`` at the coupling output ``h`` (``g1 = -exp(2 s) h``). The extras of both losses add over a
+    coupling's branches, so the rule is shared: for ``odd' = odd + m(even)``, ``g1_even = g1_even' + J_m^T g1_odd'``
+    (likewise the extras), ``g1_odd = g1_odd'``."""
     split, merge = flow.split_halves, flow.merge_halves  # the flow's own layout
     even, odd = split(x)
     records = []
@@ -247,12 +243,8 @@ def _make_cp_act(generator: torch.Generator | None) -> ActRule:
 def curvature_propagation_backprop(
     flow: NICE, x: Tensor, generator: torch.Generator | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(g1, S_r, S_i)`` in x's shape: the exact score and one curvature-propagation draw.
-
-    ``S = S_r + i S_i`` is built so that ``E[S S^T] = H`` (the full Hessian of log p in x) over fresh
-    Rademacher noise injected at the output and at every Softplus; hence ``E[S_r**2 - S_i**2] = diag H``
-    exactly (unbiased), cross terms included.
-    """
+    """``(g1, S_r, S_i)`` in x's shape: the exact score and one curvature-propagation draw, ``E[S S^T] = H`` over
+    fresh Rademacher noise at the output and every Softplus, so ``E[S_r**2 - S_i**2] = diag H`` exactly."""
     require_explicit_m_nets(flow)
     xf = _checked_flat_input(flow, x)
 
@@ -267,11 +259,8 @@ def curvature_propagation_backprop(
 def curvature_propagation_score_matching(
     flow: NICE, x: Tensor, n_samples: int = 1, generator: torch.Generator | None = None
 ) -> Tensor:
-    """CP score matching ``0.5 ||g1||^2 + sum_d (S_r,d^2 - S_i,d^2)`` per sample ``[B]``.
-
-    Its expectation over the noise is the exact score-matching loss. ``n_samples`` independent draws per
-    sample are averaged (``x`` is repeated, one draw per copy).
-    """
+    """CP score matching ``0.5 ||g1||^2 + sum_d (S_r,d^2 - S_i,d^2)`` ``[B]``, in expectation the exact loss; the
+    mean of ``n_samples`` draws (``x`` repeated, one draw per copy)."""
     if n_samples < 1:
         raise ConfigError(f"n_samples must be >= 1, got {n_samples}")
     b = x.shape[0]

@@ -198,10 +198,8 @@ def seeded_generator(device: torch.device | str) -> torch.Generator:
 
 
 def plain_copy(sampler: Any) -> Any:
-    """``sampler`` as an instance of its own class: a config's default sampler (jsonargparse's ``lazy_instance``,
-    which ``--print_config`` shows with its options) is one object shared by every module built without one, and
-    cannot be deep-copied (weight averaging copies the module); it is rebuilt from its options. Any other sampler is
-    returned as it is."""
+    """``sampler``, or a config's default sampler (jsonargparse's ``lazy_instance``: one object shared by every module,
+    which weight averaging cannot deep-copy) rebuilt from its options as an instance of its own class."""
     lazy = getattr(sampler, "lazy_get_init_data", None)
     if lazy is None:
         return sampler

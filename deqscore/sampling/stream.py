@@ -78,13 +78,9 @@ def check_output_dir(out_dir: str | Path, stem: str = "samples") -> None:
 
 # ----- writing -----------------------------------------------------------------------------------------------
 class NpyAppender:
-    """An ``.npy`` array of a shape known in advance, written batch by batch along the first axis: to an ``.npy``
-    file, or with ``member`` to the array ``member`` of an ``.npz`` archive (stored, not compressed: ``.npz`` is a
-    zip of ``.npy`` files, so the array streams into it the same way; zip64, so any size fits).
-
-    The header records the final shape; each :meth:`append` writes one C-ordered batch and flushes it to the file,
-    and nothing is kept in memory. :meth:`close` checks that exactly ``shape[0]`` rows were written.
-    """
+    """An ``.npy`` array of a shape known in advance, written and flushed batch by batch along the first axis, to an
+    ``.npy`` file or, with ``member``, into an ``.npz`` archive (a zip64 of ``.npy`` files, stored uncompressed).
+    :meth:`close` checks that exactly ``shape[0]`` rows were written."""
 
     def __init__(self, path: str | Path, shape: tuple[int, ...], dtype: np.dtype, member: str | None = None) -> None:
         self.path, self.shape, self.dtype = Path(path), tuple(int(s) for s in shape), np.dtype(dtype)
