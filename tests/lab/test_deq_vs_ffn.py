@@ -224,7 +224,8 @@ def test_study_tiny_budget_writes_the_page_and_resumes(tmp_path, monkeypatch):
     again = main(["deq_vs_ffn", *TINY, "--out", str(tmp_path)])
     assert again["sections"]["arms"]["rows"] == rows
     other = main(["deq_vs_ffn", *TINY[:-2], "--report-only", "--out", str(tmp_path)])
-    assert other["arms"] == 0 and len(other["missing"]) == 2  # units of another lr grid are not this study's
+    # units of another lr grid are not this study's
+    assert other["settings"]["arms"] == 0 and len(other["settings"]["missing"]) == 2
 
 
 def test_an_arm_outside_the_protocol_is_one_line(capsys):

@@ -144,3 +144,23 @@ def test_the_reader_refuses_another_shape_naming_the_file(tmp_path, change, name
     path.write_text(json.dumps(doc))
     with pytest.raises(ResultFormatError, match=f"{re.escape(str(path))}: not a result document.*{named}"):
         read_result(path)
+
+
+def test_sync_keeps_the_sections_it_does_not_measure_from_its_previous_result(tmp_path, monkeypatch, capsys):
+    from deqlab import main, sync
+
+    previous = read_result(RESULTS / "sync" / "sync.json")
+    (tmp_path / "sync.json").write_text((RESULTS / "sync" / "sync.json").read_text())
+    fresh = [{"solver": "picard", "comparison": "bf16 vs float32", "hidden": 8, "batch": 2, "cosine": 0.5,
+              "rel_error": 0.25, "loss_rel_diff": 0.125}]
+    monkeypatch.setattr(sync, "bf16_gradient_rows", lambda hidden: fresh)
+    doc = main(["sync", "--sections", "bf16_gradient", "--out", str(tmp_path)])
+    assert doc == read_result(tmp_path / "sync.json")
+    assert doc["sections"]["bf16_gradient"]["rows"] == fresh
+    for name in ("syncs", "sync_sites", "nice_run"):
+        assert doc["sections"][name]["rows"] == previous["sections"][name]["rows"]
+    assert doc["header"]["measured"] == "bf16_gradient"
+    with pytest.raises(SystemExit) as exc:  # nothing to keep the other sections from: one line, nothing written
+        main(["sync", "--sections", "bf16_gradient", "--out", str(tmp_path / "none")])
+    assert exc.value.code == 2 and "nice_run, syncs" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()
