@@ -23,7 +23,6 @@ Run::
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -33,7 +32,7 @@ import torch
 from .gpu_images import ImagePlan, image_table
 from .gpu_steps import StepPlan, one_line, step_table
 from .measure import environment, log
-from .report import Table, header_markdown, table_markdown
+from .report import Result, Table, write_result
 
 PROG = "python -m deqlab gpu"
 DEFAULT_OUT = "benchmarks/results/gpu"
@@ -78,16 +77,9 @@ def run_stages(quick: bool, out_dir: str | Path = DEFAULT_OUT, inception: str | 
         timings[name] = round(time.perf_counter() - t0, 1)
         header["stage seconds"] = timings
         header["runtime"] = f"{time.perf_counter() - start:.0f} s"
-        doc = _write(out, header, settings, tables)  # after every stage: a run stopped later keeps these
+        # after every stage: a run stopped later keeps these
+        doc = write_result(out, "gpu", Result("deqscore GPU benchmark", header, settings, tables))
     log(f"gpu: wrote {out / 'gpu.md'} and gpu.json in {header['runtime']}")
-    return doc
-
-
-def _write(out: Path, header: dict, settings: dict, tables: list[Table]) -> dict:
-    doc = {"header": header, "settings": settings, "sections": {t.name: t.as_dict() for t in tables}}
-    md = header_markdown(header, settings).replace("# deqscore benchmark", "# deqscore GPU benchmark", 1)
-    (out / "gpu.md").write_text(md + "\n".join(table_markdown(t) for t in tables))
-    (out / "gpu.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     return doc
 
 

@@ -52,7 +52,7 @@ def load_average() -> str:
 
 
 def environment(device: torch.device) -> dict:
-    """Header lines: device, torch version, threads, date, machine load."""
+    """Header lines: device, torch version, threads, date, machine load, the code's commit."""
     return {
         "device": f"{device.type}: {device_name(device)}",
         "torch": torch.__version__,
@@ -60,7 +60,17 @@ def environment(device: torch.device) -> dict:
         "load average at start": load_average(),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "python": platform.python_version(),
+        "code": code_text(code_version()),
     }
+
+
+def code_text(code: dict | None) -> str:
+    """:func:`code_version` as one header line."""
+    if code is None:
+        return "not a git checkout"
+    if not code["uncommitted_changes"]:
+        return f"commit {code['commit']}"
+    return f"commit {code['commit']} with uncommitted changes (SHA-256 {code['changes_sha256'][:12]})"
 
 
 CODE_PATHS = ("deqscore", "lab", "configs", "train.py", "sample.py")  # what a run's figures come from

@@ -10,10 +10,14 @@ from pathlib import Path
 import torch
 
 from .measure import environment, log
-from .report import Table, write_reports
+from .report import Result, Table, write_result
 from .sections import section_funcs
 from .settings import DEFAULT_OUT, Settings, get_settings
 from .targets import targets
+
+TITLE = "deqscore benchmark"
+SETTINGS_NOTE = ("The settings below are `lab/deqlab/settings.py`'s; the family sections build their networks from "
+                 "the configs with the options given in their notes.")
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -83,7 +87,7 @@ def _run_sections(settings: Settings, dev: torch.device, out_dir: Path, names: l
     header = {**extra, **env, "mode": settings.mode, "sections": ", ".join(names)}
     header["runtime"] = f"{time.perf_counter() - start:.0f} s"
     all_tables = [*tables.values(), targets(tables, settings)]
-    doc = write_reports(out_dir, header, settings.as_dict(), all_tables)
+    doc = write_result(out_dir, "bench", Result(TITLE, header, settings.as_dict(), all_tables, notes=[SETTINGS_NOTE]))
     log(f"wrote {out_dir / 'bench.md'} and bench.json in {header['runtime']}")
     return doc
 

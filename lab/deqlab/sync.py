@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
-import platform
 import statistics
 import sys
 import tempfile
@@ -43,10 +41,14 @@ import torch
 
 import deqscore
 
+from .measure import environment
+from .report import Column, Result, ResultFormatError, Table, read_result, section_rows, write_result
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "sync"
 _PACKAGE = str(Path(deqscore.__file__).resolve().parent)  # the library's own calls count as "deqscore"
 _DATA = str(Path(deqscore.__file__).resolve().parent / "data")
+TITLE = "Host syncs per training step and bf16 fidelity (`python -m deqlab sync`)"
 SYNC_METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu")
 
 
@@ -214,12 +216,6 @@ def _extra_callback(callback: pl.Callback) -> Iterator[None]:
         pl.Trainer.__init__ = original  # type: ignore[method-assign]
 
 
-def device_label() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
-
-
 def sync_rows(steps: int, runs_root: str) -> list[dict[str, Any]]:
     """Default and fast rows of NICE and NCSN; the fast run's fixed iteration counts are the default run's
     (forward: its mean ``deq/nstep``; NCSN's IFT backward: its backward iterations per step, from the count)."""
@@ -338,62 +334,56 @@ def nice_run_rows(steps: int, runs_root: str, hidden: int = 64) -> list[dict[str
     return rows
 
 
-def _markdown(report: dict[str, Any]) -> str:
-    lines = [
-        "# Host syncs per training step and bf16 fidelity (`python -m deqlab sync`)", "",
-        f"Device: {report['device']}. torch {report['torch']}, Lightning {report['lightning']}. {report['date']}.", "",
-        "## Host syncs and step time, default vs fast configuration", "",
-        "| family | configuration | deqscore syncs / step (mean, max) | Lightning syncs / step | other / step "
-        "| step ms (median, min) | DEQ iterations | final abs residual |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in report["syncs"]:
-        iters = r.get("fixed_iterations") or {"nstep (last step)": r.get("nstep")}
-        lines.append(
-            f"| {r['family']} | {r['configuration']} | {r['deqscore_syncs_mean']:.1f}, {r['deqscore_syncs_max']} | "
-            f"{r['lightning_syncs_mean']:.1f} | {r['other_syncs_mean']:.1f} | {r['step_ms_median']:.0f}, "
-            f"{r['step_ms_min']:.0f} | "
-            f"{', '.join(f'{k} {v:g}' for k, v in iters.items() if v is not None)} | "
-            f"{r.get('abs_residual', float('nan')):.2e} |")
-    lines += [
-        "",
-        "Counted by wrapping `Tensor.item/tolist/__bool__/__float__/__int__/cpu` and filing each call under the "
-        "calling frame's package; steps after the first (which measures the run's facts), Lightning's logging in "
-        "between included. *other*: torch's own (on this run Adam's per-parameter `step` counters, CPU tensors that "
-        "are no device wait on a GPU either; EMA's swap checks for NCSN). Fast: `SyncFreeSteps` callback, DEQ "
-        "`check_every: 0` with the default run's iterations (its last step's `deq/nstep`; NCSN's IFT backward: "
-        "its backward iterations per step) as the fixed counts. Small sizes (NICE hidden 64, "
-        "NCSN ngf 8, batch 32): on a CPU the step time shows the overhead of the syncs' Python calls, not the "
-        "device idle time they cause on a GPU; the CPU is shared with other jobs, so the median moves with their "
-        "load and the minimum is the least disturbed step.",
-        "",
-        "Where the deqscore syncs are (calls over the whole run):", "",
-    ]
-    for r in report["syncs"]:
-        sites = ", ".join(f"`{k}` {v}" for k, v in r["deqscore_sites"].items())
-        lines.append(f"* {r['family']} {r['configuration']}: {sites}")
-    lines += ["", "## bf16 autocast: phantom SSM gradient fidelity", "",
-              "| solver | comparison | cosine | relative error | loss relative difference |", "|---|---|---|---|---|"]
-    for r in report["bf16_gradient"]:
-        diff = "" if r["loss_rel_diff"] is None else f"{r['loss_rel_diff']:.2e}"
-        lines.append(f"| {r['solver']} | {r['comparison']} | {r['cosine']:.6f} | {r['rel_error']:.3e} | {diff} |")
-    g = report["bf16_gradient"][0]
-    lines += ["", f"One-coupling DEQ-NICE (784-d, DEQ block hidden {g['hidden']}, phantom K=2, tol 1e-6), batch "
-              f"{g['batch']} of MNIST (logit_squeeze), SSM with the same projections; the solve is float32 in "
-              "every case, the phantom steps and the rest of the network run under the precision compared.", "",
-              "## Short DEQ-NICE run, bf16-mixed vs 32-bit", "",
-              "| precision | steps | train loss (first 10) | train loss (last 20) | val loss | val bits/dim "
-              "| seconds |",
-              "|---|---|---|---|---|---|---|"]
-    for r in report["nice_run"]:
-        lines.append(f"| {r['precision']} | {r['steps']} | {r['loss_first10']:.1f} | {r['loss_last20']:.1f} | "
-                     f"{r['val_loss']:.1f} | {r['val_bits_per_dim']:.4f} | {r['seconds']:.0f} |")
-    r = report["nice_run"][0]
-    lines += ["", f"configs/nice/deq.yaml with hidden {r['hidden']}, batch {r['batch']}, Adam lr 1e-3, "
-              f"{r['steps']} steps, "
-              "validation on 512 images; bfloat16 matmuls are emulated on this CPU, so the seconds say nothing of "
-              "bf16 speed on a GPU.", ""]
-    return "\n".join(lines)
+SYNC_NOTE = (
+    "Counted by wrapping `Tensor.item/tolist/__bool__/__float__/__int__/cpu` and filing each call under the calling "
+    "frame's package; steps after the first (which measures the run's facts), Lightning's logging in between "
+    "included. *other*: torch's own (on this run Adam's per-parameter `step` counters, CPU tensors that are no device "
+    "wait on a GPU either; EMA's swap checks for NCSN). Fast: `SyncFreeSteps` callback, DEQ `check_every: 0` with the "
+    "default run's iterations (its last step's `deq/nstep`; NCSN's IFT backward: its backward iterations per step) "
+    "as the fixed counts. Small sizes (NICE hidden 64, NCSN ngf 8, batch 32): on a CPU the step time shows the "
+    "overhead of the syncs' Python calls, not the device idle time they cause on a GPU; the CPU is shared with other "
+    "jobs, so the median moves with their load and the minimum is the least disturbed step.")
+
+
+def tables(rows: dict[str, list[dict[str, Any]]]) -> list[Table]:
+    """The report's tables from the measured rows of each section (``rows[name]`` for name in :data:`SECTIONS`);
+    the call sites of the deqscore syncs get a table of their own."""
+    syncs = Table("syncs", "Host syncs and step time, default vs fast configuration", [
+        Column("family", "family"), Column("configuration", "configuration"),
+        Column("deqscore_syncs_mean", "deqscore syncs / step (mean)", ".1f"),
+        Column("deqscore_syncs_max", "deqscore syncs / step (max)"),
+        Column("lightning_syncs_mean", "Lightning syncs / step", ".1f"),
+        Column("other_syncs_mean", "other / step", ".1f"), Column("step_ms_median", "step ms (median)", ".0f"),
+        Column("step_ms_min", "step ms (min)", ".0f"), Column("nstep", "DEQ iterations (last step)", "g"),
+        Column("fixed_iterations", "fixed iterations (fast)"), Column("abs_residual", "final abs residual", ".2e"),
+    ], rows["syncs"], notes=[SYNC_NOTE])
+    sites = Table("sync_sites", "Where the deqscore syncs are (calls over the whole run)", [
+        Column("family", "family"), Column("configuration", "configuration"), Column("site", "call site"),
+        Column("calls", "calls")], [{"family": r["family"], "configuration": r["configuration"], "site": site,
+                                      "calls": n} for r in rows["syncs"] for site, n in r["deqscore_sites"].items()])
+    bf16 = Table("bf16_gradient", "bf16 autocast: phantom SSM gradient fidelity", [
+        Column("solver", "solver"), Column("comparison", "comparison"), Column("cosine", "cosine", ".6f"),
+        Column("rel_error", "relative error", ".3e"), Column("loss_rel_diff", "loss relative difference", ".2e"),
+    ], rows["bf16_gradient"])
+    if bf16.rows:
+        g = bf16.rows[0]
+        bf16.notes.append(
+            f"One-coupling DEQ-NICE (784-d, DEQ block hidden {g['hidden']}, phantom K=2, tol 1e-6), batch {g['batch']} "
+            "of MNIST (logit_squeeze), SSM with the same projections; the solve is float32 in every case, the phantom "
+            "steps and the rest of the network run under the precision compared.")
+    run = Table("nice_run", "Short DEQ-NICE run, bf16-mixed vs 32-bit", [
+        Column("precision", "precision"), Column("steps", "steps"),
+        Column("loss_first10", "train loss (first 10)", ".1f"), Column("loss_last20", "train loss (last 20)", ".1f"),
+        Column("val_loss", "val loss", ".1f"), Column("val_bits_per_dim", "val bits/dim", ".4f"),
+        Column("seconds", "seconds", ".0f"),
+    ], rows["nice_run"])
+    if run.rows:
+        r = run.rows[0]
+        run.notes.append(
+            f"configs/nice/deq.yaml with hidden {r['hidden']}, batch {r['batch']}, Adam lr 1e-3, {r['steps']} steps, "
+            "validation on 512 images; bfloat16 matmuls are emulated on this CPU, so the seconds say nothing of bf16 "
+            "speed on a GPU.")
+    return [syncs, sites, bf16, run]
 
 
 SECTIONS = ("syncs", "bf16_gradient", "nice_run")
@@ -408,19 +398,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure only these; the others are kept from an existing sync.json in --out")
 
 
-def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Measure the sections ``args`` names and write ``sync.json`` and ``sync.md``."""
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """Measure the sections ``args`` names (the others are read back from ``sync.json`` in ``--out``) and write
+    ``sync.json`` and ``sync.md``."""
     runs_root = tempfile.mkdtemp(prefix="deqscore-sync-")
     previous = args.out / "sync.json"
-    report = json.loads(previous.read_text()) if set(args.sections) != set(SECTIONS) else {}
-    report |= {"device": device_label(), "torch": torch.__version__, "lightning": pl.__version__,
-               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    kept = set(SECTIONS) - set(args.sections)
+    if kept and not previous.is_file():
+        parser.error(f"--sections: {', '.join(sorted(kept))} not measured and no {previous} to keep them from")
+    try:
+        rows = {name: section_rows(read_result(previous), name) for name in kept}
+    except ResultFormatError as err:
+        parser.error(str(err))
     measure = {"syncs": lambda: sync_rows(args.steps, runs_root),
                "bf16_gradient": lambda: bf16_gradient_rows(args.hidden),
                "nice_run": lambda: nice_run_rows(args.run_steps, runs_root)}
     for section in args.sections:
-        report[section] = measure[section]()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sync.json").write_text(json.dumps(report, indent=1))
-    (args.out / "sync.md").write_text(_markdown(report))
+        rows[section] = measure[section]()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    header = {**environment(device), "lightning": pl.__version__, "measured": ", ".join(args.sections)}
+    doc = write_result(args.out, "sync", Result(TITLE, header, {}, tables(rows)))
     log(f"written {args.out / 'sync.md'}")
+    return doc

@@ -213,7 +213,8 @@ def test_study_tiny_budget_writes_the_page_and_resumes(tmp_path, monkeypatch):
     assert {r["network"] for r in rows} == {"deq", "ffn2"} and all(r["seeds"] == 2 for r in rows)
     assert all(r["lipschitz_budget"] == pytest.approx(40.0) for r in rows)
     assert all(r["solver_iters"] >= 1 and r["gradient_error"] < 1e-3 for r in rows if r["network"] == "deq")
-    assert doc["off_protocol"]["max_steps"] == 6 and "Off protocol" in (tmp_path / "deq_vs_ffn.md").read_text()
+    assert doc["settings"]["off_protocol"]["max_steps"] == 6
+    assert "Off protocol" in (tmp_path / "deq_vs_ffn.md").read_text()
     assert len(doc["sections"]["comparisons"]["rows"]) == 1
 
     def refuse(*args, **kwargs):
@@ -223,7 +224,8 @@ def test_study_tiny_budget_writes_the_page_and_resumes(tmp_path, monkeypatch):
     again = main(["deq_vs_ffn", *TINY, "--out", str(tmp_path)])
     assert again["sections"]["arms"]["rows"] == rows
     other = main(["deq_vs_ffn", *TINY[:-2], "--report-only", "--out", str(tmp_path)])
-    assert other["arms"] == 0 and len(other["missing"]) == 2  # units of another lr grid are not this study's
+    # units of another lr grid are not this study's
+    assert other["settings"]["arms"] == 0 and len(other["settings"]["missing"]) == 2
 
 
 def test_an_arm_outside_the_protocol_is_one_line(capsys):

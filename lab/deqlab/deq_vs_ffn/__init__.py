@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from ..measure import environment, log
-from ..report import Column, Table, table_markdown
+from ..report import Column, Result, Table, write_result
 from ..units import recorded
 from .networks import (
     FFN,
@@ -53,6 +53,7 @@ __all__ = ["FFN", "Budget", "DEQNet", "Task", "budget", "build", "clipped_fit_fl
            "still_falling", "weight_norms"]
 
 PROTOCOL = Path("benchmarks/protocol/deq_vs_ffn/v3.json")
+TITLE = "DEQ against feed-forward networks under one Lipschitz budget, each trained to its floor"
 DEFAULT_OUT = "benchmarks/results/deq_vs_ffn"
 # The protocol's "order": the predictions' arms first, the costly steepening DEQ at d = 32 after the cheap ones.
 ORDER = [("control", 32, "deq"), ("control", 32, "ffn2"), ("control", 32, "ffn8"), ("control", 2, "deq"),
@@ -179,17 +180,12 @@ def write(arms: list[dict], missing: list, args: argparse.Namespace, protocol: d
     judged = judge(protocol["predictions"], arms, margin)
     off = off_protocol(args, protocol)
     all_tables = tables(arms, compared, judged, protocol, missing, off)
-    env = environment(torch.device("cpu"))
-    doc = {"environment": env, "protocol": {"version": protocol["version"], "sha256": sha}, "arms": len(arms),
-           "missing": missing, "off_protocol": off, "sections": {t.name: t.as_dict() for t in all_tables}}
-    md = ["# DEQ against feed-forward networks under one Lipschitz budget, each trained to its floor", ""]
-    md += [f"* **{k}**: {v}" for k, v in env.items()]
-    md += [f"* **protocol**: version {protocol['version']}, SHA-256 {sha[:12]}…; {len(arms)} of "
-           f"{len(plan(protocol))} arms with units" + (" (interim: the rest not yet run)" if missing else ""), ""]
-    md += [table_markdown(t) for t in all_tables]
-    (out / "deq_vs_ffn.md").write_text("\n".join(md) + "\n")
-    (out / "deq_vs_ffn.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    return doc
+    header = {**environment(torch.device("cpu")),
+              "protocol": f"version {protocol['version']}, SHA-256 {sha[:12]}…; {len(arms)} of {len(plan(protocol))} "
+                          "arms with units" + (" (interim: the rest not yet run)" if missing else "")}
+    settings = {"protocol": {"version": protocol["version"], "sha256": sha}, "arms": len(arms), "missing": missing,
+                "off_protocol": off}
+    return write_result(out, "deq_vs_ffn", Result(TITLE, header, settings, all_tables))
 
 
 def off_protocol(args: argparse.Namespace, protocol: dict) -> dict:

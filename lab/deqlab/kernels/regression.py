@@ -21,14 +21,13 @@ about 98.6 % on MNIST and 59.8 % on CIFAR-10; subsets of a few thousand images s
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
 from deqlab.measure import environment, log
-from deqlab.report import Column, Table, table_markdown
+from deqlab.report import Column, Result, Table, write_result
 from deqlab.units import recorded
 from deqscore.sampling import pyplot
 
@@ -155,13 +154,8 @@ def write(rows: list[dict], args: argparse.Namespace, env: dict) -> dict:
         "family (construction and solves).",
     ])
     pngs = plot(rows, out)
-    settings = vars(args)
-    doc = {"environment": env, "settings": settings, "plots": pngs, "sections": {table.name: table.as_dict()}}
-    md = ["# Kernel regression with DEQ kernels (MNIST subsets)", ""] + [f"* **{k}**: {v}" for k, v in env.items()]
-    md += ["", table_markdown(table)] + [f"![{p}]({p})" for p in pngs]
-    (out / "kernels.md").write_text("\n".join(md) + "\n")
-    (out / "kernels.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    return doc
+    return write_result(out, "kernels", Result("Kernel regression with DEQ kernels (MNIST subsets)", env, vars(args),
+                                               [table], plots=pngs))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
