@@ -123,6 +123,9 @@ def check_every_count(check_every: int) -> None:
                           f"0: never, max_iter iterations), got {check_every!r}")
 
 
+ROUNDING_EPS = 64  # a direct solve's residual within this many epsilons of f(z) is its rounding
+
+
 class _Monitor:
     """Residual bookkeeping shared by all solvers (stopping rule, NaN check, history).
 
@@ -182,10 +185,13 @@ class _Monitor:
 def residual_stats(name: str, z: Tensor, fz: Tensor, *, tol: float, stop_mode: str = "abs", per_sample: bool = False,
                    check_every: int = 1) -> SolverStats:
     """The statistics of a solution ``z`` found without iterating (a direct solve): one evaluation ``fz = f(z)``,
-    its residual judged by the solvers' stopping rule."""
+    its residual judged by the solvers' stopping rule, or within :data:`ROUNDING_EPS` machine epsilons of ``fz``
+    (no iteration can lower what is rounding: large ``z`` in float32 sit above an absolute tolerance)."""
     mon = _Monitor(name, tol, stop_mode, per_sample, check_every)
     converged = mon.update(z.reshape(z.shape[0], -1), fz.reshape(z.shape[0], -1))
-    return mon.stats(converged)
+    stats = mon.stats(converged)
+    stats.converged = stats.converged | (stats.rel_residual <= ROUNDING_EPS * torch.finfo(fz.dtype).eps)
+    return stats
 
 
 def _flat(f: FixedPointMap, shape: torch.Size) -> Callable[[Tensor], Tensor]:

@@ -200,3 +200,17 @@ def test_an_input_gradient_records_only_the_fixed_point_and_its_adjoint():
     unrolled.load_state_dict(deq.state_dict())
     (exact,) = torch.autograd.grad(unrolled(x).pow(2).sum() / 2, x)
     assert _rel([s], [exact]) < 1e-9
+
+
+def test_a_direct_solve_at_its_rounding_floor_is_converged_and_a_wrong_one_is_not():
+    """Large z in float32: the residual of an exact solve is rounding above an absolute tolerance; the solve is still
+    converged (no warning). The floor is relative to f(z): an error of 1e-3 is not taken for rounding."""
+    from deqscore.deq.solvers import residual_stats
+
+    z = torch.full((2, 64), 3e4)
+    fz = z + torch.finfo(torch.float32).eps * 3e4 * torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
+    stats = residual_stats("direct", z, fz, tol=5e-5)
+    assert stats.abs_residual > 5e-5 and stats.converged
+    assert not residual_stats("direct", z, z * (1 + 1e-3), tol=5e-5).converged
+    deferred = residual_stats("direct", z, fz, tol=5e-5, check_every=0)
+    assert bool(deferred.converged)
