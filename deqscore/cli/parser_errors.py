@@ -8,10 +8,12 @@ that parsed.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import types
 import typing
 from argparse import ArgumentError
+from pathlib import Path
 from typing import Any, Literal
 
 import yaml
@@ -20,6 +22,7 @@ from pytorch_lightning import Trainer
 
 OPTIMIZER_HINT = "any torch.optim optimizer by class name or class_path, e.g. Adam, AdamW, SGD, RMSprop"
 LR_SCHEDULER_HINT = "any torch.optim.lr_scheduler class by name or class_path, e.g. StepLR, CosineAnnealingLR"
+CONFIG_FLAGS = ("--config", "-c")
 HINTS = {"optimizer": OPTIMIZER_HINT, "lr_scheduler": LR_SCHEDULER_HINT}
 SCALARS = {int: "an int", float: "a number", str: "a string", bool: "true or false", type(None): "null"}
 
@@ -29,9 +32,9 @@ def explain_refusal(parser: Any, args: list[str], message: str) -> str:
     where known, the accepted values; jsonargparse's first line where no single option is at fault."""
     head, items = _split(args)
     fault = _fault(parser, head, items)
-    if fault is not None and fault[0][0] in ("--config", "-c"):  # a composed config file: which of its values
-        index = items.index(fault[0])
-        fault = _config_fault(parser, head, items, index)
+    if fault is None or fault[0][0] in CONFIG_FLAGS:  # which value of a (composed) config file
+        configs = [i for i, item in enumerate(items) if item[0] in CONFIG_FLAGS]
+        fault = next(filter(None, (_config_fault(parser, head, items, i) for i in reversed(configs))), None)
     if fault is None:
         return message.strip().splitlines()[0]
     (flag, *values), cfg = fault
@@ -86,11 +89,12 @@ def _without(tree: dict, path: str) -> dict:
 
 
 def _config_fault(parser: Any, head: list[str], items: list[list[str]], index: int):
-    """The value of a ``--config`` text whose absence lets the command line parse, as ``[--key, value]``."""
+    """The value of a ``--config`` (a file, or the text a composed one became) whose absence lets the command line
+    parse, as ``[--key, value]``."""
     flag, text = items[index][0], " ".join(items[index][1:])
     try:
-        tree = yaml.safe_load(text)
-    except yaml.YAMLError:
+        tree = yaml.safe_load(Path(text).read_text() if "\n" not in text and Path(text).is_file() else text)
+    except (OSError, yaml.YAMLError):
         return None
     if not isinstance(tree, dict):
         return None
@@ -105,11 +109,12 @@ def _config_fault(parser: Any, head: list[str], items: list[list[str]], index: i
     return None
 
 
-def describe(key: str, value: str, cfg: Namespace) -> str:
+def describe(key: str, value: str, cfg: Namespace | None) -> str:
     """``key: 'value' is not accepted`` and what is, from the signature of the class ``key`` belongs to in ``cfg``
     (the config parsed without it)."""
     if key in HINTS or key.removesuffix(".class_path") in HINTS:
         return f"{key}: {value!r} is not accepted\n  accepted: {HINTS[key.removesuffix('.class_path')]}"
+    cfg = Namespace() if cfg is None else cfg
     parts = key.split(".")
     owner, start = (Trainer, 1) if parts[0] == "trainer" else (None, 0)
     for i in range(1, len(parts)):
@@ -125,8 +130,10 @@ def describe(key: str, value: str, cfg: Namespace) -> str:
         return f"{key}: {value!r} is not accepted"
     options = inspect.signature(owner).parameters
     if rest[0] not in options:
-        names = ", ".join(n for n, p in options.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
-        return f"{key}: {owner.__name__} has no option {rest[0]!r}\n  its options: {names}"
+        names = [n for n, p in options.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        close = difflib.get_close_matches(rest[0], names, n=3)
+        hint = f"did you mean {' or '.join(close)}?" if close else f"its options: {', '.join(names)}"
+        return f"{key}: {owner.__name__} has no option {rest[0]!r}\n  {hint}"
     return f"{key}: {value!r} is not accepted\n  accepted: {accepted(_hints(owner).get(rest[0], 'any'))}"
 
 

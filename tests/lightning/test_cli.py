@@ -73,6 +73,22 @@ def test_usage_errors_are_one_message_without_traceback(tmp_path, capsys, extra,
     assert not (tmp_path / "t").exists()  # nothing was written
 
 
+def test_a_value_refused_inside_a_config_file_is_named_by_its_key(tmp_path, capsys):
+    """The option at fault sits in a config file: the file's own values are tried one at a time."""
+    config = tmp_path / "bad.yaml"
+    config.write_text("model:\n  init_args:\n    exact_sm_batches: 1\n    loss: nce\n")
+    assert run(["fit", *tiny_args(tmp_path), "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "error: model.init_args.loss: 'nce' is not accepted\n  accepted: 'exact', 'ssm'" in err, err
+
+
+def test_a_misspelt_option_gets_the_close_names():
+    from deqscore.cli.parser_errors import describe
+
+    message = describe("trainer.max_stepz", "3", None)
+    assert message.startswith("trainer.max_stepz: Trainer has no option 'max_stepz'\n  did you mean max_steps"), message
+
+
 TRAINER_OPTION_ERRORS = [  # (option, a value out of its range, what the one line must say)
     ("max_steps", "-5", "trainer.max_steps must be -1 (no limit) or an int >= 0, got -5"),
     ("max_epochs", "-5", "trainer.max_epochs must be -1 (no limit) or an int >= 0, got -5"),
