@@ -103,11 +103,12 @@ def fmt_value(value: object, spec: str = "") -> str:
 
 
 def pipe_table(headers: list[str], rows: list[list[str]]) -> list[str]:
-    """The lines of a markdown pipe table: the header, the separator, one line per row. Cells are text as given (an
-    empty one renders as ``| |``); a row of another width than the header is refused (ValueError naming it).
+    r"""The lines of a markdown pipe table: the header, the separator, one line per row. Cells are text as given, a
+    ``|`` in one escaped as ``\|`` (``||W||`` would split the cell) and an empty one rendered as ``| |``; a row of
+    another width than the header is refused (ValueError naming it).
 
-    >>> pipe_table(["a", "b"], [["1", ""]])
-    ['| a | b |', '|---|---|', '| 1 | |']
+    >>> pipe_table(["a", "|w|"], [["1", ""]])
+    ['| a | \\|w\\| |', '|---|---|', '| 1 | |']
     """
     for number, row in enumerate(rows, 1):
         if len(row) != len(headers):
@@ -115,7 +116,8 @@ def pipe_table(headers: list[str], rows: list[list[str]]) -> list[str]:
                              f"({', '.join(headers)}): {row}")
 
     def line(cells: list[str]) -> str:
-        return "|" + "|".join(f" {cell} " if cell else " " for cell in cells) + "|"
+        escaped = (cell.replace("|", r"\|") for cell in cells)
+        return "|" + "|".join(f" {cell} " if cell else " " for cell in escaped) + "|"
 
     return [line(headers), "|" + "---|" * len(headers), *map(line, rows)]
 
