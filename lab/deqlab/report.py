@@ -102,14 +102,32 @@ def fmt_value(value: object, spec: str = "") -> str:
     return str(value)
 
 
+def pipe_table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    r"""The lines of a markdown pipe table: the header, the separator, one line per row. Cells are text as given, a
+    ``|`` in one escaped as ``\|`` (``||W||`` would split the cell) and an empty one rendered as ``| |``; a row of
+    another width than the header is refused (ValueError naming it).
+
+    >>> pipe_table(["a", "|w|"], [["1", ""]])
+    ['| a | \\|w\\| |', '|---|---|', '| 1 | |']
+    """
+    for number, row in enumerate(rows, 1):
+        if len(row) != len(headers):
+            raise ValueError(f"pipe table row {number} has {len(row)} cells for {len(headers)} columns "
+                             f"({', '.join(headers)}): {row}")
+
+    def line(cells: list[str]) -> str:
+        escaped = (cell.replace("|", r"\|") for cell in cells)
+        return "|" + "|".join(f" {cell} " if cell else " " for cell in escaped) + "|"
+
+    return [line(headers), "|" + "---|" * len(headers), *map(line, rows)]
+
+
 def table_markdown(table: Table) -> str:
     """The table as a markdown pipe table, notes below."""
     lines = [f"## {table.title}", ""]
     if table.columns:
-        lines.append("| " + " | ".join(c.header for c in table.columns) + " |")
-        lines.append("|" + "|".join("---" for _ in table.columns) + "|")
-        for row in table.rows:
-            lines.append("| " + " | ".join(fmt_value(row.get(c.key), c.fmt) for c in table.columns) + " |")
+        lines += pipe_table([c.header for c in table.columns],
+                            [[fmt_value(row.get(c.key), c.fmt) for c in table.columns] for row in table.rows])
     if table.notes:
         lines.append("")
         lines.extend(f"* {note}" for note in table.notes)

@@ -12,7 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from deqlab.report import Column, Result, ResultFormatError, Table, read_result, result_markdown, write_result
+from deqlab.report import (
+    Column,
+    Result,
+    ResultFormatError,
+    Table,
+    pipe_table,
+    read_result,
+    result_markdown,
+    write_result,
+)
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 # per-unit files keep their own format (deqlab.units.recorded, the study's units): not summaries
@@ -37,13 +46,13 @@ def test_the_summaries_are_found():
 
 def page_tables(page: str) -> list[tuple[str, list[str], list[list[str]]]]:
     """``(title, header cells, row cells)`` of every ``## title`` of a page, in order (no cells for a table
-    without columns)."""
+    without columns); cells split at the pipes a backslash does not escape, ``\\|`` read as ``|``."""
     found: list[tuple[str, list[str], list[list[str]]]] = []
     for line in page.splitlines():
         if line.startswith("## "):
             found.append((line[3:], [], []))
         elif found and line.startswith("| "):
-            cells = [c.strip() for c in line.strip().removeprefix("| ").removesuffix(" |").split(" | ")]
+            cells = [c.strip().replace(r"\|", "|") for c in re.split(r"(?<!\\)\|", line.strip()[1:-1])]
             title, header, rows = found[-1]
             if not header:
                 header.extend(cells)
@@ -118,6 +127,17 @@ def test_the_writer_writes_what_the_reader_reads_and_the_page_shows(tmp_path):
     assert_page_holds_the_numbers(doc, page)
     assert "| a | 0.12 | 12,345 | 1.5e-07 | yes | - | 0.6666666666666666 |" in page
     assert "* **device**: cpu: test" in page and "![p.png](p.png)" in page and "A paragraph." in page
+
+
+def test_a_pipe_table_is_its_header_a_separator_as_wide_and_one_line_per_row():
+    lines = pipe_table(["a", "b c", ""], [["1", "", "x"], ["2", "y", "z"]])
+    assert lines == ["| a | b c | |", "|---|---|---|", "| 1 | | x |", "| 2 | y | z |"]
+    assert pipe_table(["a"], []) == ["| a |", "|---|"]
+    assert pipe_table(["max ||W||"], [["a|b"]]) == [r"| max \|\|W\|\| |", "|---|", r"| a\|b |"]  # no extra cells
+    with pytest.raises(ValueError, match=r"row 2 has 1 cells for 3 columns \(a, b, c\)"):
+        pipe_table(["a", "b", "c"], [["1", "2", "3"], ["1"]])
+    with pytest.raises(ValueError, match=r"row 1 has 4 cells for 3 columns"):
+        pipe_table(["a", "b", "c"], [["1", "2", "3", "4"]])
 
 
 def test_the_checks_of_this_file_see_a_wrong_cell():

@@ -14,6 +14,7 @@ import os
 from collections import Counter
 from pathlib import Path
 
+from ..report import pipe_table
 from .core import ROOT, Family, summarise, without_protocol
 from .figures import plot_curves, plot_quality_memory
 from .judging import (
@@ -128,14 +129,18 @@ def verdict_cell(c: dict) -> tuple[str, str]:
     return f"{interim}**{test.verdict}**{power}", f"{interim}**{c['holm']}** (m = {c['holm_m']})"
 
 
-COMPARISON_HEADER = ["| data | comparison | seeds (DEQ / other) | d ± se (positive: DEQ better) | Welch df | L (95 %) "
-                     "| supported margin (-L) | margin | verdict (before Holm) | Holm, familywise alpha 0.05 | "
-                     "curves (DEQ; other) | DEQ memory / other |",
-                     "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+COMPARISON_HEADER = ["data", "comparison", "seeds (DEQ / other)", "d ± se (positive: DEQ better)", "Welch df",
+                     "L (95 %)", "supported margin (-L)", "margin", "verdict (before Holm)",
+                     "Holm, familywise alpha 0.05", "curves (DEQ; other)", "DEQ memory / other"]
 
 
-def comparison_row(c: dict) -> str:
-    """One row of a comparison table (also the summary's, with the family and design in front)."""
+def no_comparison(*front: str, why: str) -> list[str]:
+    """A comparison table's row saying why there is no comparison (the summary's with the family and design)."""
+    return [*front, "–", why, *[""] * (len(COMPARISON_HEADER) - 2)]
+
+
+def comparison_row(c: dict) -> list[str]:
+    """One row's cells of a comparison table (also the summary's, with the family and design in front)."""
     test = c["test"]
     ratio = "–" if c["memory_ratio"] is None else f"{c['memory_ratio']:.2f}"
     verdict, adjusted = verdict_cell(c)
@@ -143,10 +148,10 @@ def comparison_row(c: dict) -> str:
     if still_improving(c):
         curves = "**an arm still improving**: " + curves
     seeds = " / ".join(f"{len(a['counted'])} of {len(a['expected'])}" for a in c["arms"])
-    numbers = "| – | – | – | – " if test is None else (
-        f"| {test.d:+.3g} ± {test.se:.2g} | {test.df:.1f} | {test.lower:+.3g} | {test.supported_margin:.3g} ")
-    return (f"| {c['group']} | {c['deq']} vs {c['other']} ({c['role']}) | {seeds} {numbers}| {fmt(c['margin'])} | "
-            f"{verdict} | {adjusted} | {curves} | {ratio} |")
+    numbers = ["–"] * 4 if test is None else [
+        f"{test.d:+.3g} ± {test.se:.2g}", f"{test.df:.1f}", f"{test.lower:+.3g}", f"{test.supported_margin:.3g}"]
+    return [c["group"], f"{c['deq']} vs {c['other']} ({c['role']})", seeds, *numbers, fmt(c["margin"]), verdict,
+            adjusted, curves, ratio]
 
 
 def control_sentence(family: Family, design: Protocol, summaries: dict[str, dict]) -> list[str]:
@@ -167,10 +172,10 @@ def arm_table(family: Family, design: Protocol, rules: Protocol, units: list[dic
               summaries: list[dict]) -> list[str]:
     """Per arm: its protocol seeds (missing and excluded named), the mean and standard error over the counted
     seeds, its validation curve's label and its run facts."""
-    header = [m.label for m in family.metrics]
-    lines = ["| data | variant | role | seeds | " + " | ".join(header) + " | validation curve | learning rate | "
-             "parameters | activation memory (MiB) | s / iteration | solver iterations | IFT misses |",
-             "|" + "---|" * (11 + len(header))]
+    header = ["data", "variant", "role", "seeds", *(m.label for m in family.metrics), "validation curve",
+              "learning rate", "parameters", "activation memory (MiB)", "s / iteration", "solver iterations",
+              "IFT misses"]
+    rows = []
     rule = rules.family(family.name).get("learning_rate")
     for s in summaries:
         variant = family.variants[s["variant"]]
@@ -179,20 +184,21 @@ def arm_table(family: Family, design: Protocol, rules: Protocol, units: list[dic
         label = label_text(curve_label(rules, units, s["group"], s["variant"]))
         rates = sorted({a.split("=", 1)[1] for u in arm["counted"] for a in u["value"].get("arguments", [])
                         if rule and a.startswith(f"{rule['option']}=")}) or ["the config's"]
-        lines.append(f"| {s['group']} | {s['variant']} | {variant.role} | {seeds_cell(arm)} | "
-                     f"{' | '.join(mean_cell(s, m.key) for m in family.metrics)} | {label} | {', '.join(rates)} | "
-                     f"{'–' if params is None else f'{params:,.0f}'} | {mean_cell(s, 'activation_memory_mb', 2)} | "
-                     f"{mean_cell(s, 'seconds_per_iteration', 3)} | {mean_cell(s, 'solver_iterations', 1)} | "
-                     f"{mean_cell(s, 'ift_backward_failures', 2)} |")
-    return [*lines, "", "Mean ± standard error over the counted seeds (excluded ones left out); – where a variant has "
-            "no such figure (an explicit network has no solver; the IFT column only where the backward is the IFT). "
+        rows.append([s["group"], s["variant"], variant.role, seeds_cell(arm),
+                     *(mean_cell(s, m.key) for m in family.metrics), label, ", ".join(rates),
+                     "–" if params is None else f"{params:,.0f}", mean_cell(s, "activation_memory_mb", 2),
+                     mean_cell(s, "seconds_per_iteration", 3), mean_cell(s, "solver_iterations", 1),
+                     mean_cell(s, "ift_backward_failures", 2)])
+    return [*pipe_table(header, rows), "",
+            "Mean ± standard error over the counted seeds (excluded ones left out); – where a variant has no such "
+            "figure (an explicit network has no solver; the IFT column only where the backward is the IFT). "
             "Activation memory: the tensors one training step saves for backward. s / iteration: wall clock of "
             "`train.py fit` over its iterations, validation and checkpointing included (DKEF: also its closing "
             "stage), on a machine shared with other jobs: a rough figure; the benchmarks measure speed.", ""]
 
 
 def design_section(family: Family, design: Protocol, rules: Protocol, units: list[dict], left_out: int, out: Path,
-                   page: Path) -> tuple[list[str], list[str]]:
+                   page: Path) -> tuple[list[str], list[list[str]]]:
     """The page's part for the units of one design, judged by ``rules``, and its rows of the summary."""
     rel = lambda p: relative(p, page)  # noqa: E731
     settings = units[0]["settings"]
@@ -224,7 +230,7 @@ def design_section(family: Family, design: Protocol, rules: Protocol, units: lis
     lines += [f"**The verdicts** ({family.metrics[0].label}, margin {margin_text(family, design)}; Holm's correction "
               f"over the {table[0]['holm_m'] if table else 0} comparisons this design defines, familywise alpha "
               f"{alpha}; interim: an arm short of its protocol seeds, not a result):", "",
-              *COMPARISON_HEADER, *(rows or ["| – | no comparison recorded yet |" + " |" * 10]), ""]
+              *pipe_table(COMPARISON_HEADER, rows or [no_comparison(why="no comparison recorded yet")]), ""]
     by_group: dict[str, dict[str, dict]] = {}
     for s in summaries:
         by_group.setdefault(s["group"], {})[s["variant"]] = s
@@ -241,11 +247,11 @@ def design_section(family: Family, design: Protocol, rules: Protocol, units: lis
     path = figures / f"v{design.version}_quality_vs_memory.png"
     plot_quality_memory(family, summaries, path)
     lines += [f"![{family.title}: test metric against memory]({rel(path)})", "", *sample_grids(family, units, out, rel)]
-    return lines, [f"| {family.title} | v{design.version} " + row for row in rows]
+    return lines, [[family.title, f"v{design.version}", *row] for row in rows]
 
 
 def family_section(family: Family, designs: dict[int, tuple[Protocol, list[dict], int]], out: Path, page: Path,
-                   rules: Protocol) -> tuple[list[str], list[str]]:
+                   rules: Protocol) -> tuple[list[str], list[list[str]]]:
     """The page's section of one family (figures written under ``out/<family>/``) and its rows of the summary."""
     lines = [f"## {family.title}", "", family.setting, "",
              f"* **command**: `python -m deqlab study --family {family.name}`",
@@ -253,7 +259,7 @@ def family_section(family: Family, designs: dict[int, tuple[Protocol, list[dict]
     rows = []
     if rules.version not in designs:
         lines += [f"### Protocol v{rules.version}", "", f"No unit recorded under protocol v{rules.version} yet.", ""]
-        rows.append(f"| {family.title} | v{rules.version} | – | no units yet |" + " |" * 10)
+        rows.append(no_comparison(family.title, f"v{rules.version}", why="no units yet"))
     for design, units, left_out in designs.values():
         part, design_rows = design_section(family, design, rules, units, left_out, out, page)
         lines += part
@@ -292,9 +298,8 @@ def protocol_section(protocol: Protocol) -> list[str]:
              *(f"**{title}.** {text[key]}." if isinstance(text[key], str) else
                f"**{title}.** {text[key]['rule']}; tuning seeds {text[key]['tuning_seeds']}." for key, title in
                (("reproducibility", "Reproducibility"), ("carry_over", "Carry-over"),
-                ("learning_rate", "Learning rates")) if key in text), "",
-             "| family | metric | better | margin | budget | seeds | evaluation | fit options | notes |",
-             "|---|---|---|---|---|---|---|---|---|"]
+                ("learning_rate", "Learning rates")) if key in text), ""]
+    rows = []
     for name, entry in text["families"].items():
         notes = "; ".join(entry[k] for k in ("faithful", "implicit", "sampler", "control") if k in entry)
         rate = entry.get("learning_rate")
@@ -307,23 +312,23 @@ def protocol_section(protocol: Protocol) -> list[str]:
         seeds = ", ".join(f"{v} {n}" for v, n in entry["seeds"].items())
         margin = (f"{entry['margin']} {entry['margin_unit']}" if "margin" in entry else
                   f"{entry['margin_relative_to_shallow']:.0%} of the shallow {entry['margin_unit']}")
-        lines.append(f"| {name} | {entry['metric']} | {'higher' if entry['higher_is_better'] else 'lower'} | "
-                     f"{margin} | {entry['budget']} x | {seeds} | {entry['evaluation']} | "
-                     f"`{' '.join(entry['fit'])}` | {notes} |")
-    return [*lines, ""]
+        rows.append([name, entry["metric"], "higher" if entry["higher_is_better"] else "lower", margin,
+                     f"{entry['budget']} x", seeds, str(entry["evaluation"]), f"`{' '.join(entry['fit'])}`", notes])
+    headers = ["family", "metric", "better", "margin", "budget", "seeds", "evaluation", "fit options", "notes"]
+    return [*lines, *pipe_table(headers, rows), ""]
 
 
 def deviations_section(protocol: Protocol) -> list[str]:
     lines = ["## Deviations", "", "Every change to how the study is run or judged, with the version it belongs "
-             "to and whether it was made before or after results were seen.", "",
-             "| version | decided | change |", "|---|---|---|"]
-    lines += [f"| {d['version']} | {d['seen']} | {d['change']} |" for d in protocol.text["deviations"]]
-    return [*lines, ""]
+             "to and whether it was made before or after results were seen.", ""]
+    rows = [[str(d["version"]), d["seen"], d["change"]] for d in protocol.text["deviations"]]
+    return [*lines, *pipe_table(["version", "decided", "change"], rows), ""]
 
 
 def write_page(out: Path, page: Path, families: list[Family], protocol: Protocol) -> str:
     """``page`` from the unit files under ``out``, judged by ``protocol``; the markdown."""
-    sections, rows = [], []
+    sections: list[str] = []
+    rows: list[list[str]] = []
     for family in families:
         section, family_rows = family_section(family, load_units(out, family, protocol), out, page, protocol)
         sections += section
@@ -337,7 +342,7 @@ def write_page(out: Path, page: Path, families: list[Family], protocol: Protocol
              f"each arm's validation curve, for the units of protocol v{protocol.version} and, after them, the units "
              "of earlier designs judged by its rules. An interim verdict rests on fewer seeds than the protocol's "
              "and is not a result.", "",
-             "| family | design " + COMPARISON_HEADER[0], "|---|---" + COMPARISON_HEADER[1], *rows, "",
+             *pipe_table(["family", "design", *COMPARISON_HEADER], rows), "",
              *protocol_section(protocol), *deviations_section(protocol), *sections]
     lines += ["## Memory against depth", "",
               "Explicit stacks of each family's own DEQ block against the DEQ (`python -m deqlab --sections "

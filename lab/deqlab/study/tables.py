@@ -9,6 +9,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
+from ..report import pipe_table
 from .core import Family, value_of
 from .judging import exclusion
 from .protocol import Protocol
@@ -31,22 +32,23 @@ def trust_table(units: list[dict], rules: Protocol) -> list[str]:
     if not runs:
         return []
     lines = ["**Trust figures** (final weights, first test batch; mean over seeds, max over seeds in brackets; the "
-             "objective's error against the root mean square of its per-sample terms):", "",
-             "| data | variant | seeds | contraction | K | contraction^K | derivative error | objective error | "
-             "gradient error | gradient cosine | gradient norm ratio | capped solves (test / training) | "
-             "unrolled solve | faithful |", "|" + "---|" * 14]
+             "objective's error against the root mean square of its per-sample terms):", ""]
+    header = ["data", "variant", "seeds", "contraction", "K", "contraction^K", "derivative error", "objective error",
+              "gradient error", "gradient cosine", "gradient norm ratio", "capped solves (test / training)",
+              "unrolled solve", "faithful"]
+    rows = []
     for group, name in dict.fromkeys((u["group"], u["variant"]) for u in runs):
         figures = [u["value"]["trust"] for u in runs if (u["group"], u["variant"]) == (group, name)]
         cell = functools.partial(trust_cell, figures)
         worst = max(f["gradient_rel_error"] for f in figures)
         faithful = "yes" if worst < threshold else f"**no** (> {threshold:.0%})"
-        lines.append(f"| {group} | {name} | {len(figures)} | {cell('contraction')} | {figures[0]['phantom_steps']} | "
-                     f"{cell('neumann_remainder')} | {cell('derivative_rel_error', True)} | "
-                     f"{cell('objective_error_scaled', True)} | {cell('gradient_rel_error', True)} | "
-                     f"{cell('gradient_cosine')} | {cell('gradient_norm_ratio')} | "
-                     f"{cell('capped_solves', True)} / {cell('capped_solves_training', True)} | "
-                     f"{reference_solve(figures)} | {faithful} |")
-    return [*lines, ""]
+        rows.append([group, name, str(len(figures)), cell("contraction"), str(figures[0]["phantom_steps"]),
+                     cell("neumann_remainder"), cell("derivative_rel_error", True),
+                     cell("objective_error_scaled", True), cell("gradient_rel_error", True),
+                     cell("gradient_cosine"), cell("gradient_norm_ratio"),
+                     f"{cell('capped_solves', True)} / {cell('capped_solves_training', True)}",
+                     reference_solve(figures), faithful])
+    return [*lines, *pipe_table(header, rows), ""]
 
 
 def reference_solve(figures: list[dict]) -> str:
@@ -88,18 +90,18 @@ def per_run_table(family: Family, units: list[dict], rules: Protocol) -> list[st
     """Every run: its metrics (with their own spread where the metric has one), solver facts, whether it counts,
     and its provenance."""
     keys = [m.key for m in family.metrics]
-    lines = ["<details><summary>Every run, with its provenance</summary>", "",
-             "| data | variant | seed | " + " | ".join(keys) + " | solver iterations | gradient error | counted | "
-             "protocol | commit (+: uncommitted changes) | threads | torch | device | started (UTC) | hours |",
-             "|" + "---|" * (15 + len(keys))]
+    header = ["data", "variant", "seed", *keys, "solver iterations", "gradient error", "counted", "protocol",
+              "commit (+: uncommitted changes)", "threads", "torch", "device", "started (UTC)", "hours"]
+    rows = []
     for u in units:
         cells = [fmt(value_of(u, k)) + spread(u, k) for k in keys]
         why = exclusion(rules, family.name, u)
         error = (u["value"].get("trust") or {}).get("gradient_rel_error")
-        lines.append(f"| {u['group']} | {u['variant']} | {u['seed']} | {' | '.join(cells)} | "
-                     f"{fmt(value_of(u, 'solver_iterations'), 1)} | {'–' if error is None else f'{error:.1%}'} | "
-                     f"{'**excluded**: ' + why if why else 'yes'} | {' | '.join(provenance(u))} |")
-    return lines + ["", "</details>", ""]
+        rows.append([u["group"], u["variant"], str(u["seed"]), *cells, fmt(value_of(u, "solver_iterations"), 1),
+                     "–" if error is None else f"{error:.1%}", "**excluded**: " + why if why else "yes",
+                     *provenance(u)])
+    return ["<details><summary>Every run, with its provenance</summary>", "", *pipe_table(header, rows), "",
+            "</details>", ""]
 
 
 def spread(unit: dict, key: str) -> str:
@@ -126,26 +128,27 @@ def reruns_table(family: Family, units: list[dict], out: Path) -> list[str]:
         same = "**yes**" if a == b else "no"
         threads = f"{u.get('threads', '–')} / {again.get('threads', '–')}"
         commits = " / ".join(provenance(x)[1] for x in (u, again))
-        rows.append(f"| {u['group']} | {u['variant']} | {u['seed']} | {a!r} | {b!r} | {fmt(b - a, 3)} | {same} | "
-                    f"{threads} | {commits} |")
+        rows.append([u["group"], u["variant"], str(u["seed"]), repr(a), repr(b), fmt(b - a, 3), same, threads,
+                     commits])
     if not rows:
         return [f"**Run-to-run spread**: no rerun recorded for these units yet (`python -m deqlab study --family "
                 f"{family.name} --rerun`).", ""]
     return [f"**Run-to-run spread** (a unit run again with the same seed, settings and arguments; {metric}):", "",
-            "| data | variant | seed | unit | rerun | rerun - unit | bit-identical | threads (unit / rerun) | "
-            "commit (unit / rerun) |", "|" + "---|" * 9, *rows, ""]
+            *pipe_table(["data", "variant", "seed", "unit", "rerun", "rerun - unit", "bit-identical",
+                         "threads (unit / rerun)", "commit (unit / rerun)"], rows), ""]
 
 
 def sample_grids(family: Family, units: list[dict], out: Path, rel) -> list[str]:
-    """The sample grid of every seed of every variant: one row per variant."""
+    """The sample grid of every seed of every variant: one row per variant, a variant with fewer grids than the
+    widest padded with empty cells."""
     rows = []
     for name in family.variants:
         cells = [f"![{name} seed {u['seed']}]({rel(grid)})" for u in units if u["variant"] == name
                  and (grid := out / family.name / u["group"] / f"{name}_s{u['seed']}.png").exists()]
         if cells:
-            rows.append(f"| {name} | " + " | ".join(cells) + " |")
+            rows.append([name, *cells])
     if not rows:
         return []
-    width = max(row.count(" | ") for row in rows)
-    return ["Samples, every seed (columns: seeds in order):", "", "| variant |" + " |" * width,
-            "|" + "---|" * (width + 1), *rows, ""]
+    width = max(map(len, rows))
+    return ["Samples, every seed (columns: seeds in order):", "",
+            *pipe_table(["variant", *[""] * (width - 1)], [row + [""] * (width - len(row)) for row in rows]), ""]
