@@ -33,7 +33,7 @@ from jsonargparse import lazy_instance
 from pytorch_lightning.utilities import rank_zero_info
 
 from ..deq import require_backward
-from ..losses import SCHEDULES, AnnealedLoss, build_loss, loss_names, noise_schedule
+from ..losses import SCHEDULES, AnnealedLoss, build_loss, dsm_every_level, loss_names, noise_schedule
 from ..losses.annealed import schedule_from_data
 from ..models import NCSN
 from ..sampling.langevin import AnnealedLangevin, plain_copy, seeded_generator
@@ -61,6 +61,7 @@ class NCSNModule(ScoreModule):
         sampler: AnnealedLangevin | None = DEFAULT_SAMPLER,  # annealed Langevin options (None: the defaults)
         schedule_from_data: bool = False,  # sigma_max, n_levels and the sampler's step_lr from the training data
         schedule_data_subset: int = 10_000,  # training images whose largest pairwise distance gives sigma_max
+        test_every_level: bool = False,  # test/dsm_every_level: the denoising loss at every level, fixed noise
     ):
         sampler = plain_copy(sampler)  # before the hyper-parameters copy it: the default is one shared object
         super().__init__()
@@ -74,6 +75,7 @@ class NCSNModule(ScoreModule):
         self.sigmas = noise_schedule(schedule, sigma_max, sigma_min, n_levels).float()
         self.sampler = sampler or AnnealedLangevin()  # None: a checkpoint saved before the default was shown
         self.schedule_from_data, self.schedule_data_subset = schedule_from_data, schedule_data_subset
+        self.test_every_level = test_every_level
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -107,6 +109,19 @@ class NCSNModule(ScoreModule):
 
     def compute_loss(self, x: torch.Tensor) -> torch.Tensor:
         return self.loss(self.net, x, self.sigmas)
+
+    def eval_metrics(self, x: torch.Tensor, stage: str, batch_idx: int) -> dict[str, torch.Tensor]:
+        """With ``test_every_level``, in test: the denoising loss at every noise level (``dsm_level_<i>``, largest
+        sigma first), their mean (``dsm_every_level``) and its square's mean (``dsm_every_level_sq``, for a standard
+        error over images), the noise of batch ``i`` drawn from seed ``i``: a held-out figure free of the training
+        loss's random levels, the same noise for every network tested on the same batches."""
+        if stage != "test" or not self.test_every_level:
+            return {}
+        with torch.no_grad():
+            losses = dsm_every_level(self.net, x, self.sigmas, torch.Generator().manual_seed(batch_idx))
+        per_image = losses.mean(dim=1)
+        return {"dsm_every_level": per_image.mean(), "dsm_every_level_sq": per_image.pow(2).mean(),
+                **{f"dsm_level_{i}": level for i, level in enumerate(losses.mean(dim=0))}}
 
     @torch.no_grad()
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:

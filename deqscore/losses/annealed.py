@@ -176,6 +176,20 @@ def annealed_dsm(score_fn: CondScoreFn, x: Tensor, sigmas: Tensor, labels: Tenso
     return 0.5 * _flat_sq(s + eps / sig) * sigma**2
 
 
+def dsm_every_level(score_fn: CondScoreFn, x: Tensor, sigmas: Tensor, generator: torch.Generator) -> Tensor:
+    """The denoising loss of every sample at every noise level, ``[B, L]``, in the training weighting:
+    ``0.5 ||sigma s(x + sigma eps, sigma) + eps||^2`` with ``eps`` drawn from ``generator`` (on the CPU, so that a
+    seed gives the same noise on every device): a held-out figure with no randomness but the seed's."""
+    x = prepare_input(x).detach()
+    sigmas = _checked_sigmas(sigmas).to(dtype=x.dtype, device=x.device)
+    losses = []
+    for sigma in sigmas:
+        eps = torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device)
+        s = score_fn(x + sigma * eps, sigma.expand(x.shape[0]))
+        losses.append(0.5 * _flat_sq(sigma * s + eps))
+    return torch.stack(losses, dim=1)
+
+
 def annealed_ssm_vr(
     score_fn: CondScoreFn, x: Tensor, sigmas: Tensor, labels: Tensor | None = None, n_projections: int = 1
 ) -> Tensor:

@@ -129,3 +129,34 @@ def test_bad_schedule_and_loss_options_are_config_errors(kw, match):
                                                                            "body": "shallow"}}} | kw
     with pytest.raises(ConfigError, match=match):
         build_module({"class_path": "deqscore.lightning.NCSNModule", "init_args": config})
+
+
+def test_dsm_every_level_has_the_closed_form_of_the_exact_score():
+    """Data N(0, I): the smoothed density's score -x/(1 + sigma^2) gives E 0.5 ||sigma s + eps||^2 =
+    D / (2 (1 + sigma^2)) at each level; 20,000 samples put the estimate within 4 standard errors."""
+    from deqscore.losses import dsm_every_level
+
+    sigmas, dim, n = torch.tensor([2.0, 0.5, 0.1]), 8, 20_000
+    x = torch.randn(n, dim, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    losses = dsm_every_level(lambda y, s: -y / (1 + s[:, None] ** 2), x, sigmas, torch.Generator().manual_seed(1))
+    assert losses.shape == (n, 3)
+    expected = dim / (2 * (1 + sigmas.double() ** 2))
+    stderr = losses.std(dim=0) / n**0.5
+    assert ((losses.mean(dim=0) - expected).abs() < 4 * stderr).all(), (losses.mean(dim=0), expected)
+    wrong = dsm_every_level(lambda y, s: 0 * y, x, sigmas, torch.Generator().manual_seed(1))  # D / 2 at every level
+    assert ((wrong.mean(dim=0) - expected).abs() > 10 * stderr)[:2].all()
+
+
+def test_the_every_level_test_figure_is_fixed_by_the_batch_and_only_in_test():
+    module = build_module({"class_path": "deqscore.lightning.NCSNModule", "init_args": {
+        "net": {"class_path": "deqscore.models.NCSN", "init_args": {"dim": 64, "channels": 1, "ngf": 4,
+                                                                       "body": "shallow"}},
+        "sigma_max": 1.0, "sigma_min": 0.1, "n_levels": 3, "test_every_level": True}})
+    x = torch.rand(5, 64, generator=torch.Generator().manual_seed(0))
+    first, again = module.eval_metrics(x, "test", 3), module.eval_metrics(x, "test", 3)
+    assert set(first) == {"dsm_every_level", "dsm_every_level_sq", "dsm_level_0", "dsm_level_1", "dsm_level_2"}
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    levels = torch.stack([first[f"dsm_level_{i}"] for i in range(3)])
+    torch.testing.assert_close(first["dsm_every_level"], levels.mean())
+    assert not torch.equal(module.eval_metrics(x, "test", 4)["dsm_every_level"], first["dsm_every_level"])
+    assert module.eval_metrics(x, "val", 3) == {}
