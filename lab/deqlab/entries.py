@@ -176,13 +176,16 @@ STUDIES: dict[str, Study] = {
                  "EMA) the protocol fixes; the learning curve is that of the scored weights. KID (mean and standard "
                  "deviation over 100 subsets) and FID@N of the same N samples against the Inception features of "
                  "the first MNIST training images; the untrained row is the DEQ network at initialisation, through "
-                 "the same sampling and scoring."),
+                 "the same sampling and scoring. Where the protocol asks for it, the held-out denoising loss: every "
+                 "MNIST test image at every noise level, noise fixed by the test batch, the training weighting, "
+                 "the scored weights (train.py test with test_every_level)."),
         iterations=600,
         variants={"explicit": StudyVariant("shallow", "shallow"), "ncsnv2": StudyVariant("deep", "deep"),
                   "deq": StudyVariant("deq", "deq"),
                   "deq_reference": StudyVariant("deq", "deq_reference", (f"{NET}.body=deq_full",)),
                   "untrained": StudyVariant("deq", "untrained", trained=False)},
-        metrics=(Metric("kid", "KID", False), Metric("fid", "FID@N", False)),
+        metrics=(Metric("dsm_every_level", "held-out DSM loss (every level)", False), Metric("kid", "KID", False),
+                 Metric("fid", "FID@N", False)),
         choices={"weights": ("trained", "averaged")},
     ),
     "vae": Study(

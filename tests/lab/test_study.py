@@ -412,6 +412,27 @@ def test_ncsn_samples_from_the_weights_its_evaluation_names(tmp_path, monkeypatc
     assert PROTOCOL.family("ncsn")["evaluation"]["weights"] == "averaged"
 
 
+def test_ncsn_held_out_loss_is_every_test_image_at_every_level_and_the_same_twice(tmp_path):
+    """A tiny DEQ NCSN trained two steps: the held-out evaluation reads train.py test's every-level figures (the mean
+    is the mean of the levels, a standard error over the images), the noise fixed, so a second evaluation of the same
+    weights gives the same numbers; a DEQ's trust figures come with them."""
+    from deqlab.families import ncsn as ncsn_bench
+    from deqscore.cli.train import main as train
+    from tests.lightning.conftest import tiny_args
+
+    run = tmp_path / "t"
+    train(["fit", *tiny_args(tmp_path, "configs/ncsn/deq_mnist.yaml"), "--trainer.max_steps", "2"])
+    checkpoint = run / "checkpoints" / "last.ckpt"
+    evaluation = {"levels": 3, "test_images": 16}
+    first = ncsn_bench.held_out(run, checkpoint, evaluation)
+    again = ncsn_bench.held_out(run, checkpoint, evaluation)
+    assert len(first["dsm_per_level"]) == 3 and first["dsm_every_level_se"] > 0
+    assert math.isclose(first["dsm_every_level"], sum(first["dsm_per_level"]) / 3, rel_tol=1e-5)
+    assert {k: first[k] for k in ("dsm_every_level", "dsm_per_level")} == \
+        {k: again[k] for k in ("dsm_every_level", "dsm_per_level")}
+    assert "contraction" in first["trust"]
+
+
 def test_the_committed_results_page_is_what_the_report_writes(tmp_path, monkeypatch):
     """docs/results.md is generated: a change to the report, the protocol or the units that is not written out fails."""
     from deqlab.study import report
