@@ -171,8 +171,9 @@ STUDIES: dict[str, Study] = {
     ),
     "ncsn": Study(
         title="NCSN on MNIST",
-        setting=("MNIST pixels in [0, 1], annealed DSM over 10 noise levels (1 to 0.01), base width 32, batch 64, "
-                 "Adam 1e-3; samples by annealed Langevin dynamics with the sampler and weights (trained or their "
+        setting=("MNIST pixels in [0, 1], annealed DSM over 10 noise levels (1 to 0.01), batch 64, Adam; the "
+                 "network's width, the learning rate and the sampler's steps as the protocol's fit options set them; "
+                 "samples by annealed Langevin dynamics with the sampler and weights (trained or their "
                  "EMA) the protocol fixes; the learning curve is that of the scored weights. KID (mean and standard "
                  "deviation over 100 subsets) and FID@N of the same N samples against the Inception features of "
                  "the first MNIST training images; the untrained row is the DEQ network at initialisation, through "
@@ -185,6 +186,21 @@ STUDIES: dict[str, Study] = {
                   "deq_reference": StudyVariant("deq", "deq_reference", (f"{NET}.body=deq_full",)),
                   "untrained": StudyVariant("deq", "untrained", trained=False)},
         metrics=(Metric("dsm_every_level", "held-out DSM loss (every level)", False), Metric("kid", "KID", False),
+                 Metric("fid", "FID@N", False)),
+        choices={"weights": ("trained", "averaged")},
+    ),
+    "edm": Study(
+        title="EDM denoisers on MNIST",
+        setting=("MNIST pixels mapped to [-1, 1], EDM's preconditioning and loss weighting, ln sigma ~ N(-1.2, "
+                 "1.2^2), batch 64, Adam; an explicit U-Net middle or a DEQ middle. The held-out denoising loss: "
+                 "the training loss on the MNIST test images with fixed draws of sigma and noise (train.py test). "
+                 "Samples by the deterministic Heun sampler (18 steps, 35 evaluations) from the weights the protocol "
+                 "scores; KID and FID@N as for NCSN; the untrained row is the DEQ network at initialisation, through "
+                 "the same sampling and scoring."),
+        iterations=2000,
+        variants={"explicit": StudyVariant("shallow", "shallow"), "deq": StudyVariant("deq", "deq"),
+                  "untrained": StudyVariant("deq", "untrained", trained=False)},
+        metrics=(Metric("loss", "held-out denoising loss", False), Metric("kid", "KID", False),
                  Metric("fid", "FID@N", False)),
         choices={"weights": ("trained", "averaged")},
     ),

@@ -289,5 +289,5 @@ def section_funcs() -> dict:
     """Every section by name: the DEQ layer's generic ones, each declared family's (its laboratory file's
     ``section``, :mod:`deqlab.families`), and the sections across every family (depth, implicit)."""
     files = {name: family_file(name) for name in declarations()}
-    families = {name: file.section for name, file in files.items() if file is not None}
+    families = {name: file.section for name, file in files.items() if hasattr(file, "section")}
     return {**GENERIC_SECTIONS, **families, **ACROSS_FAMILIES}

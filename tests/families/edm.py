@@ -2,7 +2,7 @@
 
 from deqscore.families import net_options
 
-from . import MNIST_SUBSETS, MNIST_WORKERS, NET
+from . import MNIST_SUBSETS, MNIST_WORKERS, NET, STUDY_MNIST
 
 SAMPLER = "--model.init_args.sampler.init_args"
 
@@ -27,3 +27,9 @@ def phantom_probe(deq):
     module = EDMModule(net).double()
     x = torch.rand(3, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     return module, lambda: module.compute_loss(x)
+
+
+#: the study test's (study options, fit options)
+STUDY_TINY = (("--seeds", "0", "--set", "samples=4", "--set", "reference=6"),
+              (f"{NET}.ngf=4", f"{SAMPLER}.num_steps=2", "--data.init_args.batch_size=8",
+               "--data.init_args.num_workers=0", *STUDY_MNIST))

@@ -20,6 +20,7 @@ from deqscore.lightning.callbacks import read_metrics_csv
 from tests.families import fixture_file
 
 PROTOCOL = protocol.load()
+V = f"v{PROTOCOL.version}"  # the newest protocol, as the page names it
 FAMILIES = families()
 
 QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
@@ -43,9 +44,11 @@ def run_study(tmp_path, name: str, *more: str) -> dict:
                  "--variants", ",".join(runnable(name)), *options, *more, "--extra", *QUIET, *fit])
 
 
-# NCSN's run (a minute: sampling and Inception features) adds nothing the fast suite lacks: the study machinery is
-# covered by the other families, NCSN's sampling and FID by tests/test_sampling.py, its evaluation's options below
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "ncsn" else n for n in FAMILIES])
+# NCSN's and EDM's runs (a minute each: sampling and Inception features) add nothing the fast suite lacks: the study
+# machinery is covered by the other families, their sampling and FID by tests/test_sampling.py, their evaluations'
+# options below
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("ncsn", "edm") else n
+                                  for n in FAMILIES])
 def test_a_family_study_records_what_its_runs_logged_skips_recorded_units_and_writes_the_page(
         tmp_path, monkeypatch, name):
     family = FAMILIES[name]
@@ -78,19 +81,20 @@ def test_a_family_study_records_what_its_runs_logged_skips_recorded_units_and_wr
         if variant.trained:
             assert value["parameters"] == series["run/parameters"][-1][1]
             assert value["activation_memory_mb"] == series["run/activation_memory_mb"][-1][1]
-        # a metric the run's test stage logged is reported as logged (NCSN's come from sample.py, below)
+        # a metric the run's test stage logged is reported as logged (the image families' KID from sample.py, below)
         logged = [m.key for m in STUDIES[name].metrics if f"test/{m.key}" in series]
-        assert bool(logged) == (variant.trained and name != "ncsn")
+        assert bool(logged) == variant.trained
         for key in logged:
             assert value["metrics"][key] == pytest.approx(series[f"test/{key}"][-1][1])
-        if name == "ncsn":  # the unit holds the scores of the samples sample.py drew
+        if name in ("ncsn", "edm"):  # the unit holds the scores of the samples sample.py drew
             report = json.loads((run / "samples" / "fid.json").read_text())
             assert (value["metrics"]["kid"], value["metrics"]["fid"]) == (report["kid"], report["fid"])
             assert report["num_samples"] == 4 and "(6 images)" in report["reference"]
         if name == "vae":  # the ELBO only for the Gaussian encoder: the implicit one has none
             assert ("elbo" in value["metrics"]) == (variant.role == "classical")
         assert (value["solver_iterations"] is not None) == ("deq" in variant.role)  # explicit nets have no solver
-        trusted = variant.role.startswith("deq") and name != "ncsn"  # measured through train.py test
+        # measured through train.py test, the untrained control's too (the DEQ at initialisation)
+        trusted = variant.role.startswith("deq") or (variant.role == "untrained" and name in ("ncsn", "edm"))
         assert (value["trust"] is not None) == trusted
         if trusted:
             assert 0 < value["trust"]["contraction"] < 1 and value["trust"]["gradient_rel_error"] >= 0
@@ -106,7 +110,7 @@ def test_a_family_study_records_what_its_runs_logged_skips_recorded_units_and_wr
     page = tmp_path / "results.md"
     main(["study", "--report", "--out", str(tmp_path / "out"), "--page", str(page)])
     text = page.read_text()
-    metric = family.metrics[0].key
+    metric = family.judged(PROTOCOL).key
     for unit in units[: len(family.variants)]:
         values = [u["value"]["metrics"][metric] for u in units if u["variant"] == unit["variant"]]
         mean = sum(values) / len(values)
@@ -165,11 +169,11 @@ def test_the_verdicts_at_the_protocols_margin(tmp_path):
     text = report(tmp_path)
     m = len(judging.defined_comparisons(FAMILIES["dkef"], PROTOCOL))
     assert m == 18  # 3 data sets x 3 DEQ variants x 2 explicit networks, fixed by the protocol
-    assert "| DKEF on UCI data | v4 | redwine | deq vs explicit (shallow) | 5 of 5 / 5 of 5 | +0.2 ± 0.01 |" in text
+    assert f"| DKEF on UCI data | {V} | redwine | deq vs explicit (shallow) | 5 of 5 / 5 of 5 | +0.2 ± 0.01 |" in text
     assert f"| 0.100 | **holds** | **holds** (m = {m}) |" in text
     assert f"| 0.100 | **fails** | **fails** (m = {m}) |" in text
     assert "| whitewine | deq vs explicit (shallow) | 5 of 5 / 5 of 5 | -0.5 ± 0.01 |" in text
-    unsure = [line for line in text.splitlines() if line.startswith("| DKEF on UCI data | v4 | parkinsons | deq vs "
+    unsure = [line for line in text.splitlines() if line.startswith(f"| DKEF on UCI data | {V} | parkinsons | deq vs "
                                                                      "explicit (shallow)")]
     assert len(unsure) == 1 and "| 3 of 5 / 3 of 5 |" in unsure[0]
     assert "interim: **inconclusive**; " in unsure[0] and "chance to hold with these seeds if the two were equal" \
@@ -192,7 +196,7 @@ def test_a_seed_outside_the_protocol_is_refused_by_name(tmp_path, capsys):
     with pytest.raises(SystemExit):
         report(tmp_path)
     err = capsys.readouterr().err
-    assert "explicit_s7.json: seed 7 of nice/mnist/explicit is not a seed of protocol v4 (seeds 0 .. 4" in err
+    assert f"explicit_s7.json: seed 7 of nice/mnist/explicit is not a seed of protocol {V} (seeds 0 .. 4" in err
     assert not page.exists()
 
 
@@ -209,13 +213,13 @@ def test_the_log_z_rule_excludes_a_unit_and_its_error_enters_the_test(tmp_path):
     write("deq", [-0.95, -0.97, -0.93, -0.96, 3.0], ess=(500.0, 500.0, 500.0, 500.0, 20.0))
     text = report(tmp_path)
     assert "| redwine | deq | deq | 4 of 5; **excluded** 4 (log Z ESS 20 < 100) |" in text
-    row = next(line for line in text.splitlines() if line.startswith("| DKEF on UCI data | v4 | redwine | deq vs"))
+    row = next(line for line in text.splitlines() if line.startswith(f"| DKEF on UCI data | {V} | redwine | deq vs"))
     assert "| 4 of 5 / 5 of 5 | +0.0475 ± 0.011 |" in row and "| **holds** |" in row  # seed 4 (+3.0) left out
     assert "| **excluded**: log Z ESS 20 < 100 |" in text  # and named in the per-run table
     write("explicit", explicit, stderr=0.2)
     write("deq", [-0.95, -0.97, -0.93, -0.96, -0.94], stderr=0.2)
     row = next(line for line in report(tmp_path).splitlines()
-               if line.startswith("| DKEF on UCI data | v4 | redwine | deq vs"))
+               if line.startswith(f"| DKEF on UCI data | {V} | redwine | deq vs"))
     se = math.sqrt(2 * 0.00025 / 5 + 2 * 5 * 0.2**2 / 5**2)  # the seeds' spread, then sum(se_Z^2) / n^2 a side
     assert f"+0.05 ± {se:.2g} |" in row and "**inconclusive**" in row
 
@@ -375,26 +379,29 @@ def test_usage_errors_name_the_option_and_the_choices(tmp_path, capsys, args, me
 
 
 def test_the_untrained_network_is_a_control_not_an_override(tmp_path):
-    """NCSN's trained variants as a fraction of the untrained network's KID, beside the verdict, which stands."""
-    def write(variant: str, values: list[float]) -> None:
-        for seed, v in enumerate(values):
-            write_unit(tmp_path, "ncsn", "mnist", variant, seed, {"kid": v})
+    """NCSN: the verdict on the held-out denoising loss (the protocol's metric); the trained variants' KID as a
+    fraction of the untrained network's beside it (its control metric), which never overrides the verdict."""
+    def write(variant: str, losses: list[float], kids: list[float]) -> None:
+        for seed, (loss, kid) in enumerate(zip(losses, kids, strict=True)):
+            write_unit(tmp_path, "ncsn", "mnist", variant, seed, {"dsm_every_level": loss, "kid": kid})
 
-    write("untrained", [0.50, 0.52, 0.54])
-    write("explicit", [0.40, 0.42, 0.44])
-    write("deq", [0.40, 0.41, 0.42])
+    write("untrained", [900.0, 910.0, 920.0], [0.50, 0.52, 0.54])
+    write("explicit", [200.0, 202.0, 204.0], [0.40, 0.42, 0.44])
+    write("deq", [200.0, 201.0, 202.0], [0.40, 0.41, 0.42])
     text = report(tmp_path)
     assert "Control: each trained variant's KID as a fraction of the untrained network's (0.520): explicit 0.81, " \
            "deq 0.79." in text
     assert "the samples are called digits when a variant's KID is at most a tenth" in text
-    # margin: 10 % of the shallow network's KID (0.042); the DEQ is better by 0.01: the verdict is given
-    assert "| mnist | deq vs explicit (shallow) | 3 of 5 / 3 of 5 | +0.01 ±" in text and "| 0.042 | interim: **" in text
+    # margin: 2 % of the shallow network's held-out loss (4.04); the DEQ is better by 1: the verdict is given
+    assert "**The verdicts** (held-out DSM loss (every level), margin" in text
+    assert "| mnist | deq vs explicit (shallow) | 3 of 5 / 3 of 5 | +1 ±" in text and "| 4.040 | interim: **" in text
 
 
 @pytest.mark.parametrize("weights, raw", [("trained", True), ("averaged", False)])
 def test_ncsn_samples_from_the_weights_its_evaluation_names(tmp_path, monkeypatch, weights, raw):
     """``weights=trained`` must reach ``sample.py`` as ``--raw-weights``; the protocol scores the EMA average."""
     from deqlab.families import ncsn as ncsn_bench
+    from deqlab.study import evaluation as study_evaluation
 
     passed = []
 
@@ -404,9 +411,9 @@ def test_ncsn_samples_from_the_weights_its_evaluation_names(tmp_path, monkeypatc
         (out / "fid.json").write_text(json.dumps({"kid": 0.1, "kid_std": 0.01, "kid_subset_size": 4, "fid": 9.0,
                                                   "num_samples": n, "reference": "r"}))
 
-    monkeypatch.setattr(ncsn_bench, "draw_samples", draw)
+    monkeypatch.setattr(study_evaluation, "draw_samples", draw)
     run = tmp_path / "runs" / "ncsn" / "mnist" / "deq_s0"
-    evaluation = PROTOCOL.family("ncsn")["evaluation"] | {"weights": weights}
+    evaluation = PROTOCOL.family("ncsn")["evaluation"] | {"weights": weights, "held_out": False}
     ncsn_bench.evaluate(run, run / "last.ckpt", FAMILIES["ncsn"].variants["deq"], 0, evaluation)
     assert ("--raw-weights" in passed) == raw
     assert PROTOCOL.family("ncsn")["evaluation"]["weights"] == "averaged"
@@ -486,3 +493,20 @@ def test_each_arm_trains_at_the_rate_its_validation_chose(tmp_path, monkeypatch)
 def rate_of(unit: dict) -> float:
     option = PROTOCOL.family(unit["family"])["learning_rate"]["option"]
     return next(float(a.split("=")[1]) for a in unit["fit"]["arguments"] if a.startswith(f"{option}="))
+
+
+def test_the_judged_and_the_control_metric_are_the_protocol_entrys():
+    class Entry:  # a protocol with one family entry
+        def __init__(self, entry):
+            self.entry = entry
+
+        def family(self, name):
+            return self.entry
+
+    ncsn = FAMILIES["ncsn"]
+    assert ncsn.judged(Entry({"metric": "kid"})).key == "kid"
+    assert ncsn.judged(Entry({"metric": "dsm_every_level", "control_metric": "kid"})).key == "dsm_every_level"
+    assert ncsn.control(Entry({"metric": "dsm_every_level", "control_metric": "kid"})).key == "kid"
+    assert ncsn.control(Entry({"metric": "fid"})).key == "fid"
+    with pytest.raises(ValueError, match="the ncsn study has no metric 'nll'"):
+        ncsn.judged(Entry({"metric": "nll"}))

@@ -118,12 +118,12 @@ def test_the_protocol_covers_every_family_and_variant():
     protocol = protocol_module.load()
     for name, family in families().items():
         entry = protocol.family(name)
-        assert entry["metric"] == family.metrics[0].key
-        assert entry["higher_is_better"] == family.metrics[0].higher_is_better
+        assert entry["higher_is_better"] == family.judged(protocol).higher_is_better
+        assert family.control(protocol).key in {m.key for m in family.metrics}
         assert set(entry["seeds"]) <= set(family.variants)
         assert {"shallow", "deq"} <= {family.variants[v].role for v in entry["seeds"]}
         assert protocol.seeds(name, "explicit") == list(range(5)) and protocol.seeds(name, "deq") == list(range(5))
-    assert protocol.margin("ncsn", 0.4) == pytest.approx(0.04) and protocol.margin("nice") == 0.05
+    assert protocol.margin("ncsn", 400.0) == pytest.approx(8.0) and protocol.margin("nice") == 0.05
 
 
 # ----------------------------------------------------------------------------------------------------- trust

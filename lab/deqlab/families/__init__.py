@@ -1,6 +1,6 @@
 """The laboratory's file of each model family, keyed by the family's name: ``deqlab/families/<name>.py`` holds
-the family's benchmark section (``section(settings, device)``) and its study evaluation (``evaluate``). The
-family itself is declared in the library (:mod:`deqscore.families`); a family without a file here has no
+the family's benchmark section (``section(settings, device)``) and its study evaluation (``evaluate``), or one of
+them. The family itself is declared in the library (:mod:`deqscore.families`); a family without a file here has no
 benchmark section and no study evaluation.
 """
 

@@ -9,7 +9,6 @@ each body's figures by NCSNv2's.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import cast
 
@@ -24,7 +23,7 @@ from ..measure import log, measure_step, timed
 from ..report import Column, Table, ratio_cells
 from ..settings import Settings
 from ..study.core import Variant as StudyVariant
-from ..study.evaluation import draw_samples, test_metrics
+from ..study.evaluation import sample_quality, test_metrics
 
 BODIES = (
     Variant("shallow explicit", "configs/ncsn/shallow_cifar10.yaml"),
@@ -146,14 +145,7 @@ def evaluate(run_dir: Path, checkpoint: Path, variant: StudyVariant, seed: int, 
     samples and, where the protocol asks for it (``held_out``), the denoising loss of every test image at every
     noise level with fixed noise (``train.py test`` with ``test_every_level``), its standard error over the images
     and its value per level."""
-    out = run_dir / "samples"
-    weights = ["--raw-weights"] if evaluation["weights"] == "trained" else []
-    draw_samples(checkpoint, out, evaluation["samples"], seed,
-                 ["--batch-size", "250", *weights, "--fid", "--reference-images", str(evaluation["reference"]),
-                  "--stats-root", str(run_dir.parents[2] / "fid_stats")])  # <runs-root>/fid_stats
-    report = json.loads((out / "fid.json").read_text())
-    metrics = {"kid": report["kid"], "kid_std": report["kid_std"], "kid_subset_size": report["kid_subset_size"],
-               "fid": report["fid"], "fid_samples": report["num_samples"], "reference": report["reference"]}
+    metrics = sample_quality(run_dir, checkpoint, seed, evaluation)
     if evaluation.get("held_out"):
         metrics |= held_out(run_dir, checkpoint, evaluation)
     return metrics
@@ -161,10 +153,11 @@ def evaluate(run_dir: Path, checkpoint: Path, variant: StudyVariant, seed: int, 
 
 def held_out(run_dir: Path, checkpoint: Path, evaluation: dict) -> dict:
     """``dsm_every_level`` (the mean over test images and levels), its standard error over the ``test_images``
-    and ``dsm_per_level`` (largest sigma first), from ``train.py test``; the trust figures of a DEQ beside them."""
+    and ``dsm_per_level`` (largest sigma first, up to ``levels``), from ``train.py test``; the trust figures of a
+    DEQ beside them."""
     keys = ("dsm_every_level", "dsm_every_level_sq", *(f"dsm_level_{i}" for i in range(evaluation["levels"])))
     logged = test_metrics(run_dir, checkpoint, ["--model.init_args.test_every_level=true"], keys)
     mean, square, n = logged.pop("dsm_every_level"), logged.pop("dsm_every_level_sq"), evaluation["test_images"]
-    per_level = [logged.pop(f"dsm_level_{i}") for i in range(evaluation["levels"])]
+    per_level = [logged.pop(key) for i in range(evaluation["levels"]) if (key := f"dsm_level_{i}") in logged]
     return {"dsm_every_level": mean, "dsm_every_level_se": max(square - mean**2, 0.0) ** 0.5 / n ** 0.5,
             "dsm_per_level": per_level, **logged}

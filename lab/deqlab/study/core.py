@@ -59,8 +59,8 @@ Evaluate = Callable[[Path, Path, Variant, int, dict], dict]
 class Family:
     """What a family brings to the study: its code. ``iterations`` is the training length at budget 1; every
     variant gets the same iterations, fit options and evaluation, which the protocol fixes
-    (:mod:`.protocol`). ``metrics[0]`` is the quality the claim is judged on. ``groups`` are the data sets, each
-    with its fit overrides."""
+    (:mod:`.protocol`). The protocol names the metric the claim is judged on among ``metrics`` (:meth:`judged`).
+    ``groups`` are the data sets, each with its fit overrides."""
 
     name: str
     title: str
@@ -75,6 +75,21 @@ class Family:
 
     def iterations_at(self, budget: float) -> int:
         return max(1, round(self.iterations * budget))
+
+    def judged(self, design: Protocol) -> Metric:
+        """The metric the claim is judged on: the ``metric`` of the family's entry in ``design`` (a protocol)."""
+        return self._metric(design.family(self.name)["metric"])
+
+    def control(self, design: Protocol) -> Metric:
+        """The metric the untrained network is a control of: the entry's ``control_metric``, else the judged one."""
+        return self._metric(design.family(self.name).get("control_metric", design.family(self.name)["metric"]))
+
+    def _metric(self, key: str) -> Metric:
+        try:
+            return next(m for m in self.metrics if m.key == key)
+        except StopIteration:
+            raise ValueError(f"the {self.name} study has no metric {key!r}; it has "
+                             f"{', '.join(m.key for m in self.metrics)}") from None
 
 
 def unit_path(out: Path, family: str, group: str, variant: str, seed: int) -> Path:

@@ -8,6 +8,7 @@ its trust figures on the first test batch (:mod:`.trust`).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from deqscore.lightning.run_hooks import batch_inputs
@@ -32,6 +33,20 @@ def test_metrics(run_dir: Path, checkpoint: Path, options: list[str], keys: tupl
         x = module.prepare_batch(batch_inputs(batch).to(module.device)[:TRUST_BATCH])
         metrics["trust"] = trust_figures(module, x)
     return metrics
+
+
+def sample_quality(run_dir: Path, checkpoint: Path, seed: int, evaluation: dict) -> dict:
+    """KID and FID@N of ``evaluation["samples"]`` samples of an image family's ``checkpoint`` (its averaged
+    weights, or the trained ones where ``evaluation["weights"]`` says ``trained``) against the Inception features
+    of the first ``evaluation["reference"]`` training images, cached under ``<runs-root>/fid_stats``."""
+    out = run_dir / "samples"
+    weights = ["--raw-weights"] if evaluation["weights"] == "trained" else []
+    draw_samples(checkpoint, out, evaluation["samples"], seed,
+                 ["--batch-size", "250", *weights, "--fid", "--reference-images", str(evaluation["reference"]),
+                  "--stats-root", str(run_dir.parents[2] / "fid_stats")])
+    report = json.loads((out / "fid.json").read_text())
+    return {"kid": report["kid"], "kid_std": report["kid_std"], "kid_subset_size": report["kid_subset_size"],
+            "fid": report["fid"], "fid_samples": report["num_samples"], "reference": report["reference"]}
 
 
 def draw_samples(checkpoint: Path, out: Path, n: int, seed: int, options: list[str] = ()) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from deqscore.sampling import pyplot
 
-from .core import Family, seed_curve
+from .core import Family, Metric, seed_curve
 
 
 def plot_curves(family: Family, units: list[dict], group: str, path: Path) -> None:
@@ -38,11 +38,10 @@ def plot_curves(family: Family, units: list[dict], group: str, path: Path) -> No
     plt.close(fig)
 
 
-def plot_quality_memory(family: Family, summaries: list[dict], path: Path) -> None:
-    """The family's first metric against activation memory per step: one point per variant with its standard
+def plot_quality_memory(family: Family, metric: Metric, summaries: list[dict], path: Path) -> None:
+    """The judged ``metric`` against activation memory per step: one point per variant with its standard
     error, one panel per data set."""
     plt = pyplot()
-    metric = family.metrics[0]
     groups = list(dict.fromkeys(s["group"] for s in summaries))
     fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)
     for ax, group in zip(axes[0], groups, strict=True):

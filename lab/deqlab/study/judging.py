@@ -109,7 +109,7 @@ def comparisons(family: Family, design: Protocol, rules: Protocol, units: list[d
     """Every defined comparison that has units on both sides: the test at the protocol's margin (None with fewer
     than two counted seeds a side), interim where an arm is short of its seeds, each arm's curve label, the DEQ's
     activation memory as a fraction of the other's; Holm's verdicts added (:func:`apply_holm`)."""
-    metric = family.metrics[0]
+    metric = family.judged(design)
     alpha = rules.text["rule"].get("holm", {}).get("alpha", ALPHA)
     with_error = "log_z" in rules.family(family.name)
     shallow = variant_of_role(family, "shallow")

@@ -157,7 +157,7 @@ def comparison_row(c: dict) -> list[str]:
 def control_sentence(family: Family, design: Protocol, summaries: dict[str, dict]) -> list[str]:
     """The untrained network as a control (never an override of the verdict): each trained variant's metric as a
     fraction of the untrained network's, against the protocol's criterion."""
-    untrained, metric = variant_of_role(family, "untrained"), family.metrics[0]
+    untrained, metric = variant_of_role(family, "untrained"), family.control(design)
     base = summaries.get(untrained, {}).get(metric.key, {}).get("mean")
     if not base:
         return []
@@ -227,16 +227,16 @@ def design_section(family: Family, design: Protocol, rules: Protocol, units: lis
     table = comparisons(family, design, rules, units, memory)
     rows = [comparison_row(c) for c in table]
     alpha = rules.text["rule"]["holm"]["alpha"]
-    lines += [f"**The verdicts** ({family.metrics[0].label}, margin {margin_text(family, design)}; Holm's correction "
-              f"over the {table[0]['holm_m'] if table else 0} comparisons this design defines, familywise alpha "
-              f"{alpha}; interim: an arm short of its protocol seeds, not a result):", "",
+    lines += [f"**The verdicts** ({family.judged(design).label}, margin {margin_text(family, design)}; Holm's "
+              f"correction over the {table[0]['holm_m'] if table else 0} comparisons this design defines, "
+              f"familywise alpha {alpha}; interim: an arm short of its protocol seeds, not a result):", "",
               *pipe_table(COMPARISON_HEADER, rows or [no_comparison(why="no comparison recorded yet")]), ""]
     by_group: dict[str, dict[str, dict]] = {}
     for s in summaries:
         by_group.setdefault(s["group"], {})[s["variant"]] = s
     for group_summaries in by_group.values():
         lines += control_sentence(family, design, group_summaries)
-    lines += ["", *reruns_table(family, units, out), *trust_table(units, rules),
+    lines += ["", *reruns_table(family, family.judged(design), units, out), *trust_table(units, rules),
               *per_run_table(family, units, rules)]
     figures = out / family.name
     for group in family.groups:
@@ -245,7 +245,7 @@ def design_section(family: Family, design: Protocol, rules: Protocol, units: lis
             plot_curves(family, units, group, path)
             lines += [f"![{family.title}, {group}: learning curves]({rel(path)})", ""]
     path = figures / f"v{design.version}_quality_vs_memory.png"
-    plot_quality_memory(family, summaries, path)
+    plot_quality_memory(family, family.judged(design), summaries, path)
     lines += [f"![{family.title}: test metric against memory]({rel(path)})", "", *sample_grids(family, units, out, rel)]
     return lines, [[family.title, f"v{design.version}", *row] for row in rows]
 

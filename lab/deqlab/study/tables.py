@@ -10,7 +10,7 @@ from datetime import datetime
 from pathlib import Path
 
 from ..report import pipe_table
-from .core import Family, value_of
+from .core import Family, Metric, value_of
 from .judging import exclusion
 from .protocol import Protocol
 
@@ -114,10 +114,10 @@ def rerun_path(out: Path, family: str, group: str, variant: str, seed: int) -> P
     return out / family / group / "reruns" / f"{variant}_s{seed}.json"
 
 
-def reruns_table(family: Family, units: list[dict], out: Path) -> list[str]:
+def reruns_table(family: Family, judged: Metric, units: list[dict], out: Path) -> list[str]:
     """The run-to-run spread: each recorded rerun of a unit against the unit (same seed, settings and arguments),
     with both units' thread counts and commits."""
-    metric = family.metrics[0].key
+    metric = judged.key
     rows = []
     for u in units:
         path = rerun_path(out, family.name, u["group"], u["variant"], u["seed"])
