@@ -253,6 +253,19 @@ def test_curve_labels_per_arm_and_trust_figures_reach_the_page(tmp_path):
            "| **no** (> 5%) |" in text
 
 
+def test_an_implicit_deqs_trust_row_names_its_backward_and_shows_its_millionths(tmp_path):
+    """An implicit DEQ trains on the exact derivatives: its row shows the backward, not phantom steps, and its
+    gradient error at the precision it has (0.0 % would hide 3.7e-6)."""
+    trust = {"contraction": 0.7, "phantom_steps": 2, "neumann_remainder": 0.49, "derivative_rel_error": 2e-7,
+             "objective_error_scaled": 1e-7, "gradient_rel_error": 3.7e-6, "gradient_cosine": 1.0,
+             "gradient_norm_ratio": 1.0, "exact_converged": True, "capped_solves": 0.0,
+             "capped_solves_training": 0.0, "max_iter": 10, "backward": "implicit"}
+    write_unit(tmp_path, "nice", "mnist", "deq_implicit", 0, {"bits_per_dim": 5.0}, trust=trust)
+    row = next(line for line in report(tmp_path).splitlines() if line.startswith("| mnist | deq_implicit | 1 | 0.700"))
+    assert row.startswith("| mnist | deq_implicit | 1 | 0.700 (0.700) | implicit | – | 2e-05% (2e-05%) | "
+                          "1e-05% (1e-05%) | 0.0004% (0.0004%) |"), row
+
+
 def test_the_page_states_the_protocol_and_its_deviations(tmp_path):
     write_unit(tmp_path, "vae", "mnist", "explicit", 0, {"ais_log_likelihood": -100.0})
     text = report(tmp_path)

@@ -38,12 +38,15 @@ def trust_table(units: list[dict], rules: Protocol) -> list[str]:
               "unrolled solve", "faithful"]
     rows = []
     for group, name in dict.fromkeys((u["group"], u["variant"]) for u in runs):
-        figures = [u["value"]["trust"] for u in runs if (u["group"], u["variant"]) == (group, name)]
+        arm = [u for u in runs if (u["group"], u["variant"]) == (group, name)]
+        figures = [u["value"]["trust"] for u in arm]
         cell = functools.partial(trust_cell, figures)
+        phantom = backward_of(arm[0]) == "phantom"  # K steps and their Neumann remainder: the phantom backward's
         worst = max(f["gradient_rel_error"] for f in figures)
         faithful = "yes" if worst < threshold else f"**no** (> {threshold:.0%})"
-        rows.append([group, name, str(len(figures)), cell("contraction"), str(figures[0]["phantom_steps"]),
-                     cell("neumann_remainder"), cell("derivative_rel_error", True),
+        rows.append([group, name, str(len(figures)), cell("contraction"),
+                     str(figures[0]["phantom_steps"]) if phantom else backward_of(arm[0]),
+                     cell("neumann_remainder") if phantom else "–", cell("derivative_rel_error", True),
                      cell("objective_error_scaled", True), cell("gradient_rel_error", True),
                      cell("gradient_cosine"), cell("gradient_norm_ratio"),
                      f"{cell('capped_solves', True)} / {cell('capped_solves_training', True)}",
@@ -70,8 +73,23 @@ def trust_cell(figures: list[dict], key: str, percent: bool = False) -> str:
     values = [f[key] for f in figures if f.get(key) is not None]
     if not values:
         return "–"
-    show = (lambda v: f"{v:.1%}") if percent else fmt  # noqa: E731
+    show = percent_text if percent else fmt
     return f"{show(sum(values) / len(values))} ({show(max(values))})"
+
+
+def percent_text(value: float) -> str:
+    """A share as a percentage: one decimal, or one significant digit below 0.1 % (an exact backward's error is
+    millionths, which 0.0 % would hide)."""
+    return f"{value:.1%}" if value == 0 or abs(value) >= 1e-3 else f"{value * 100:.1g}%"
+
+
+def backward_of(unit: dict) -> str:
+    """How a DEQ unit's training differentiated through its layers: ``implicit`` or ``phantom``."""
+    trust = unit["value"].get("trust") or {}
+    if "backward" in trust:
+        return trust["backward"]
+    implicit = any(a.endswith("backward=implicit") for a in unit["value"].get("arguments", []))
+    return "implicit" if implicit else "phantom"
 
 
 def provenance(unit: dict) -> list[str]:
@@ -98,7 +116,7 @@ def per_run_table(family: Family, units: list[dict], rules: Protocol) -> list[st
         why = exclusion(rules, family.name, u)
         error = (u["value"].get("trust") or {}).get("gradient_rel_error")
         rows.append([u["group"], u["variant"], str(u["seed"]), *cells, fmt(value_of(u, "solver_iterations"), 1),
-                     "–" if error is None else f"{error:.1%}", "**excluded**: " + why if why else "yes",
+                     "–" if error is None else percent_text(error), "**excluded**: " + why if why else "yes",
                      *provenance(u)])
     return ["<details><summary>Every run, with its provenance</summary>", "", *pipe_table(header, rows), "",
             "</details>", ""]

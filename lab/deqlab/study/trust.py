@@ -20,7 +20,9 @@ one test batch (:func:`trust_figures`):
 * ``exact_converged``, ``exact_residual`` and ``exact_at_floor``: whether every unrolled reference solve met its
   tolerance, the largest relative residual, and whether an unconverged one stalled at the precision's floor
   (:data:`FLOOR_EPS` machine epsilons): as converged as the dtype allows, not a failure;
-* ``capped_solves``: the share of this batch's forward solves that stopped at ``max_iter`` unconverged.
+* ``capped_solves``: the share of this batch's forward solves that stopped at ``max_iter`` unconverged;
+* ``backward``: the layers' backward mode as trained (``phantom`` for K steps; ``implicit``'s derivatives are the
+  exact ones, so its gradient error measures the solves' tolerances).
 """
 
 from __future__ import annotations
@@ -159,6 +161,7 @@ def trust_figures(module, x: torch.Tensor, seed: int = 0) -> dict | None:
     return {
         "contraction": contraction,
         "contraction_median": float(radius.median()),
+        "backward": ",".join(sorted({layer.backward for layer in layers})),
         "phantom_steps": steps,
         "neumann_remainder": contraction**steps,
         "derivative_rel_error": max(derivative_error(layer, z, u, seed) for layer, u, z, _ in solves),
