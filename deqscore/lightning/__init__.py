@@ -2,7 +2,7 @@
 
 from .base import CheckpointFamilyError, ScoreModule, family_registry
 from .callbacks import LearningCurves, SampleGrid
-from .checkpoint import build_module, load_module
+from .checkpoint import TrainedWeights, build_module, load_module
 from .dkef import DKEFModule
 from .fid import FIDCallback
 from .ncsn import NCSN_LOSSES, NCSNModule
@@ -21,6 +21,7 @@ __all__ = [
     "NICEModule",
     "NonFiniteLossError",
     "SampleGrid",
+    "TrainedWeights",
     "VAEModule",
     "ScoreModule",
     "build_module",

@@ -18,8 +18,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytorch_lightning as pl
 import torch
 from pytorch_lightning.cli import instantiate_module
+from pytorch_lightning.trainer.states import TrainerFn
 
 from ..errors import ConfigError
 from ..privates import CLASS_PATH_KEY, INSTANTIATOR_KEY, recording_hyperparameters
@@ -29,6 +31,17 @@ from .base import FAMILY_KEY, CheckpointFamilyError, ScoreModule, family_registr
 RAW_WEIGHTS_KEY = "current_model_state"
 # the instantiator Lightning records next to CLI-built hyper-parameters (and trusts when loading)
 _INSTANTIATOR = "pytorch_lightning.cli.instantiate_module"
+
+
+class TrainedWeights(pl.Callback):
+    """Test or validate a checkpoint's trained weights instead of their average: a run with weight averaging (EMA)
+    stores the average as the checkpoint's ``state_dict``, which ``train.py test`` would score, and the trained
+    weights beside it. Short runs want these: an EMA whose span is a large part of the training lags behind it
+    (``--trainer.callbacks+=deqscore.lightning.TrainedWeights``; ``sample.py --raw-weights`` alike)."""
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        if trainer.state.fn != TrainerFn.FITTING and RAW_WEIGHTS_KEY in checkpoint:  # fit resumes its own way
+            pl_module.load_state_dict(checkpoint[RAW_WEIGHTS_KEY])
 
 
 def _instantiate(hparams: dict[str, Any]) -> ScoreModule:

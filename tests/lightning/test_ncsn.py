@@ -160,3 +160,31 @@ def test_the_every_level_test_figure_is_fixed_by_the_batch_and_only_in_test():
     torch.testing.assert_close(first["dsm_every_level"], levels.mean())
     assert not torch.equal(module.eval_metrics(x, "test", 4)["dsm_every_level"], first["dsm_every_level"])
     assert module.eval_metrics(x, "val", 3) == {}
+
+
+def test_train_py_test_scores_the_trained_weights_with_trained_weights_and_the_average_without(tmp_path):
+    """With EMA, a checkpoint's state_dict is the average; TrainedWeights makes train.py test score the trained
+    weights. Checked against the held-out figure computed directly from load_module's two sets of weights."""
+    from deqscore.lightning.run_hooks import batch_inputs
+    from deqscore.losses import dsm_every_level
+
+    cli, _ = _fit(tmp_path, "ema", 2)
+    ckpt = str(tmp_path / "ema" / "checkpoints" / "last.ckpt")
+
+    def tested(*extra):
+        test = main(["test", *tiny_args(tmp_path, DEQ_MNIST, "ema"), "--ckpt_path", ckpt,
+                     "--model.init_args.test_every_level=true", *extra])
+        return float(test.trainer.callback_metrics["test/dsm_every_level"]), test.datamodule
+
+    def direct(datamodule, raw):
+        module = load_module(ckpt, raw_weights=raw).eval()
+        losses = [dsm_every_level(module.net, batch_inputs(b), module.sigmas, torch.Generator().manual_seed(i))
+                  for i, b in enumerate(datamodule.test_dataloader())]
+        with torch.no_grad():
+            return float(torch.cat([loss.mean(dim=1) for loss in losses]).mean())
+
+    trained, datamodule = tested("--trainer.callbacks+=deqscore.lightning.TrainedWeights")
+    averaged, _ = tested()
+    assert trained != averaged
+    assert trained == pytest.approx(direct(datamodule, raw=True), rel=1e-5)
+    assert averaged == pytest.approx(direct(datamodule, raw=False), rel=1e-5)

@@ -23,7 +23,7 @@ from ..measure import log, measure_step, timed
 from ..report import Column, Table, ratio_cells
 from ..settings import Settings
 from ..study.core import Variant as StudyVariant
-from ..study.evaluation import sample_quality, test_metrics
+from ..study.evaluation import sample_quality, scored_weights, test_metrics
 
 BODIES = (
     Variant("shallow explicit", "configs/ncsn/shallow_cifar10.yaml"),
@@ -156,7 +156,8 @@ def held_out(run_dir: Path, checkpoint: Path, evaluation: dict) -> dict:
     and ``dsm_per_level`` (largest sigma first, up to ``levels``), from ``train.py test``; the trust figures of a
     DEQ beside them."""
     keys = ("dsm_every_level", "dsm_every_level_sq", *(f"dsm_level_{i}" for i in range(evaluation["levels"])))
-    logged = test_metrics(run_dir, checkpoint, ["--model.init_args.test_every_level=true"], keys)
+    logged = test_metrics(run_dir, checkpoint, ["--model.init_args.test_every_level=true",
+                                                *scored_weights(evaluation)], keys)
     mean, square, n = logged.pop("dsm_every_level"), logged.pop("dsm_every_level_sq"), evaluation["test_images"]
     per_level = [logged.pop(key) for i in range(evaluation["levels"]) if (key := f"dsm_level_{i}") in logged]
     return {"dsm_every_level": mean, "dsm_every_level_se": max(square - mean**2, 0.0) ** 0.5 / n ** 0.5,

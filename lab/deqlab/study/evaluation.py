@@ -35,6 +35,12 @@ def test_metrics(run_dir: Path, checkpoint: Path, options: list[str], keys: tupl
     return metrics
 
 
+def scored_weights(evaluation: dict) -> list[str]:
+    """``train.py test``'s options for the weights the protocol scores: a run's trained weights where its
+    evaluation says ``weights: trained`` (its checkpoint's state_dict is their average where the run averaged)."""
+    return ["--trainer.callbacks+=deqscore.lightning.TrainedWeights"] if evaluation.get("weights") == "trained" else []
+
+
 def sample_quality(run_dir: Path, checkpoint: Path, seed: int, evaluation: dict) -> dict:
     """KID and FID@N of ``evaluation["samples"]`` samples of an image family's ``checkpoint`` (its averaged
     weights, or the trained ones where ``evaluation["weights"]`` says ``trained``) against the Inception features
