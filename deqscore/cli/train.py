@@ -16,11 +16,13 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import warnings
 from argparse import ArgumentError
 from pathlib import Path
 from typing import Any
 
+import yaml
 from jsonargparse import Namespace
 from pytorch_lightning import Trainer
 from pytorch_lightning.callbacks import ModelCheckpoint
@@ -103,6 +105,32 @@ def launch_rank() -> int:
     return 0 if node == local == 0 else 1 + node * 1000 + local
 
 
+def named_callback_options(argv: list[str]) -> tuple[list[str], str | None]:
+    """``argv`` without its options of named callbacks (``--trainer.callbacks.ema.init_args.decay=0.99``, the names
+    the configs give them), and those options written as a config file of named callbacks (None without any).
+    jsonargparse itself would take the name as a key of the callbacks' list and drop the value unsaid."""
+    rest: list[str] = []
+    options: dict[str, Any] = {}
+    tokens = iter(argv)
+    for token in tokens:
+        key, joined, value = token.partition("=")
+        name = key.removeprefix("--trainer.callbacks.").split(".")[0] if key.startswith("--trainer.callbacks.") else ""
+        if not name or name == "init_args" or name.isdigit():
+            rest.append(token)
+            continue
+        value = value if joined else next(tokens, "")
+        node = options.setdefault(name, {})
+        *parents, leaf = key.removeprefix(f"--trainer.callbacks.{name}.").split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
+    if not options:
+        return rest, None
+    path = Path(tempfile.mkdtemp(prefix="deqscore-callbacks-")) / "callbacks.yaml"
+    path.write_text(yaml.safe_dump({"trainer": {"callbacks": options}}))
+    return rest, str(path)
+
+
 def compose_config_files(argv: list[str]) -> list[str]:
     """``argv`` with every ``--config`` file that composes (names a base or names its callbacks) replaced by its
     composed options, named callbacks composed across the files in their order (:mod:`deqscore.configfiles`); a file
@@ -115,9 +143,15 @@ def compose_config_files(argv: list[str]) -> list[str]:
         elif isinstance(arg, str) and arg.startswith("--config="):
             given.append((i, arg.split("=", 1)[1], True))
     given = [g for g in given if Path(g[1]).is_file()]  # a missing file is left to the parser, which names it
+    argv, overlay = named_callback_options(argv)
+    if overlay is not None:  # after every file, as the last config: it composes on their callbacks by name
+        argv = [*argv, "--config", overlay]
+        given.append((len(argv) - 1, overlay, False))
     try:
         texts = composed_command_line([path for _, path, _ in given])
     except ConfigFileError as err:
+        if overlay is not None and str(err).startswith(overlay):
+            usage_error(f"--trainer.callbacks{str(err).removeprefix(overlay).split('trainer.callbacks', 1)[-1]}")
         usage_error(f"--config {err}")
     out = list(argv)
     for (i, _, joined), text in zip(given, texts, strict=True):

@@ -433,9 +433,9 @@ def test_ncsn_samples_from_the_weights_its_evaluation_names(tmp_path, monkeypatc
 
 
 def test_ncsn_held_out_loss_is_every_test_image_at_every_level_and_the_same_twice(tmp_path):
-    """A tiny DEQ NCSN trained two epochs of 3 steps: the held-out evaluation reads train.py test's every-level figures (the mean
-    is the mean of the levels, a standard error over the images), the noise fixed, so a second evaluation of the same
-    weights gives the same numbers; a DEQ's trust figures come with them."""
+    """A tiny DEQ NCSN trained two epochs of 3 steps: the held-out evaluation reads train.py test's every-level
+    figures (the mean is the mean of the levels, a standard error over the images), the noise fixed, so a second
+    evaluation of the same weights gives the same numbers; a DEQ's trust figures come with them."""
     from deqlab.families import ncsn as ncsn_bench
     from deqscore.cli.train import main as train
     from tests.lightning.conftest import tiny_args

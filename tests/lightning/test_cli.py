@@ -424,3 +424,21 @@ def test_deq_configs_are_recognised_by_their_class_not_their_name():
     assert is_deq_config({"class_path": f"{__name__}.RenamedDEQ"})
     assert not is_deq_config({"class_path": "torch.nn.Linear"})
     assert not is_deq_config({"class_path": "somewhere.else.DEQ"})  # a name alone is not a DEQ layer
+
+
+def test_a_named_callbacks_option_reaches_that_callback_alone(tmp_path, capsys):
+    """The configs name their callbacks (``ema``, ``checkpoint``): ``--trainer.callbacks.ema.init_args.X`` sets the
+    EMA's option and nothing else; a name no config gives is one line naming the option."""
+    from pytorch_lightning.callbacks import EMAWeightAveraging, ModelCheckpoint
+
+    config = "configs/ncsn/deq_mnist.yaml"
+    cli = DeqscoreCLI(args=[*tiny_args(tmp_path, config), "--trainer.callbacks.ema.init_args.update_every_n_steps", "3",
+                            "--trainer.callbacks.checkpoint.init_args.filename=x-{epoch}"], run=False)
+    ema = next(c for c in cli.trainer.callbacks if isinstance(c, EMAWeightAveraging))
+    assert ema.update_every_n_steps == 3
+    assert any(isinstance(c, ModelCheckpoint) and c.filename == "x-{epoch}" for c in cli.trainer.callbacks)
+    default = DeqscoreCLI(args=tiny_args(tmp_path, config), run=False)
+    assert next(c for c in default.trainer.callbacks if isinstance(c, EMAWeightAveraging)).update_every_n_steps == 1
+    assert run(["fit", *tiny_args(tmp_path, config), "--trainer.callbacks.emma.init_args.decay=0.9"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --trainer.callbacks.emma names no class_path; the callbacks with one here: checkpoint, " in err
