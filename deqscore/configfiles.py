@@ -27,6 +27,7 @@ config lists them, in the mapping's order, as the trainer takes them.
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,32 @@ def _listed(path: str | Path, config: dict[str, Any]) -> dict[str, Any]:
                                       f"here: {', '.join(n for n in callbacks if n != name) or 'none'}")
         config["trainer"]["callbacks"] = list(callbacks.values())
     return config
+
+
+def named_callback_options(argv: list[str]) -> tuple[list[str], str | None]:
+    """``argv`` without its options of named callbacks (``--trainer.callbacks.ema.init_args.decay=0.99``, the names
+    the configs give them), and those options written as a config file of named callbacks (None without any).
+    jsonargparse itself would take the name as a key of the callbacks' list and drop the value unsaid."""
+    rest: list[str] = []
+    options: dict[str, Any] = {}
+    tokens = iter(argv)
+    for token in tokens:
+        key, joined, value = token.partition("=")
+        name = key.removeprefix("--trainer.callbacks.").split(".")[0] if key.startswith("--trainer.callbacks.") else ""
+        if not name or name == "init_args" or name.isdigit():
+            rest.append(token)
+            continue
+        value = value if joined else next(tokens, "")
+        node = options.setdefault(name, {})
+        *parents, leaf = key.removeprefix(f"--trainer.callbacks.{name}.").split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
+    if not options:
+        return rest, None
+    path = Path(tempfile.mkdtemp(prefix="deqscore-callbacks-")) / "callbacks.yaml"
+    path.write_text(yaml.safe_dump({"trainer": {"callbacks": options}}))
+    return rest, str(path)
 
 
 def named_callbacks(config: dict[str, Any]) -> bool:

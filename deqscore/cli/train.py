@@ -16,13 +16,11 @@ import math
 import os
 import signal
 import sys
-import tempfile
 import warnings
 from argparse import ArgumentError
 from pathlib import Path
 from typing import Any
 
-import yaml
 from jsonargparse import Namespace
 from pytorch_lightning import Trainer
 from pytorch_lightning.callbacks import ModelCheckpoint
@@ -31,7 +29,7 @@ from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.utilities import rank_zero_info
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
-from ..configfiles import ConfigFileError, composed_command_line
+from ..configfiles import ConfigFileError, composed_command_line, named_callback_options
 from ..data.errors import CorruptDataError, DataNotFoundError
 from ..errors import ConfigError
 from ..lightning.base import ScoreModule, family_registry
@@ -103,32 +101,6 @@ def launch_rank() -> int:
             return int(os.environ[variable])
     node, local = int(os.environ.get("NODE_RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     return 0 if node == local == 0 else 1 + node * 1000 + local
-
-
-def named_callback_options(argv: list[str]) -> tuple[list[str], str | None]:
-    """``argv`` without its options of named callbacks (``--trainer.callbacks.ema.init_args.decay=0.99``, the names
-    the configs give them), and those options written as a config file of named callbacks (None without any).
-    jsonargparse itself would take the name as a key of the callbacks' list and drop the value unsaid."""
-    rest: list[str] = []
-    options: dict[str, Any] = {}
-    tokens = iter(argv)
-    for token in tokens:
-        key, joined, value = token.partition("=")
-        name = key.removeprefix("--trainer.callbacks.").split(".")[0] if key.startswith("--trainer.callbacks.") else ""
-        if not name or name == "init_args" or name.isdigit():
-            rest.append(token)
-            continue
-        value = value if joined else next(tokens, "")
-        node = options.setdefault(name, {})
-        *parents, leaf = key.removeprefix(f"--trainer.callbacks.{name}.").split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(value)
-    if not options:
-        return rest, None
-    path = Path(tempfile.mkdtemp(prefix="deqscore-callbacks-")) / "callbacks.yaml"
-    path.write_text(yaml.safe_dump({"trainer": {"callbacks": options}}))
-    return rest, str(path)
 
 
 def compose_config_files(argv: list[str]) -> list[str]:
