@@ -25,15 +25,17 @@ from deqlab.report import (
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 # per-unit files keep their own format (deqlab.units.recorded, the study's units): not summaries
-UNIT_FOLDERS = {"units", "depth_units", "study", "study_v1", "tuning", "reruns"}
+UNIT_FOLDERS = {"units", "depth_units", "study", "study_v1", "study_v3", "tuning", "reruns"}
 PILOT = "ncsn_cpu_pilot"  # raw output of one-off pilot scripts kept beside them, no program of the laboratory
 
 
 def summaries() -> list[Path]:
+    """The laboratory's summary documents: not a unit file, not a pilot's output, not the output of the one-off
+    script beside it (``x.json`` next to ``x.py``)."""
     found = []
     for path in sorted(RESULTS.rglob("*.json")):
         folders = path.relative_to(RESULTS).parts[:-1]
-        if not set(folders) & UNIT_FOLDERS and folders[:1] != (PILOT,):
+        if not set(folders) & UNIT_FOLDERS and folders[:1] != (PILOT,) and not path.with_suffix(".py").exists():
             found.append(path)
     return found
 
