@@ -108,17 +108,20 @@ def _listed(path: str | Path, config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def named_callback_options(argv: list[str]) -> tuple[list[str], str | None]:
-    """``argv`` without its options of named callbacks (``--trainer.callbacks.ema.init_args.decay=0.99``, the names
-    the configs give them), and those options written as a config file of named callbacks (None without any).
-    jsonargparse itself would take the name as a key of the callbacks' list and drop the value unsaid."""
+def named_callback_options(argv: list[str], paths: list[str | Path]) -> tuple[list[str], str | None]:
+    """``argv`` without its options of the callbacks the config files at ``paths`` name
+    (``--trainer.callbacks.ema.init_args.decay=0.99``), and those options written as a config file of named callbacks
+    (None without any): jsonargparse would take the name as a key of the callbacks' list and drop the value unsaid.
+    Any other ``--trainer.callbacks.X`` is jsonargparse's (``X``, an option of the last callback listed)."""
+    names = {name for path in paths if named_callbacks(config := composed(path))
+             for name in config["trainer"]["callbacks"]}
     rest: list[str] = []
     options: dict[str, Any] = {}
     tokens = iter(argv)
     for token in tokens:
         key, joined, value = token.partition("=")
         name = key.removeprefix("--trainer.callbacks.").split(".")[0] if key.startswith("--trainer.callbacks.") else ""
-        if not name or name == "init_args" or name.isdigit():
+        if name not in names:
             rest.append(token)
             continue
         value = value if joined else next(tokens, "")
