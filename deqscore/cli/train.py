@@ -115,11 +115,12 @@ def compose_config_files(argv: list[str]) -> list[str]:
         elif isinstance(arg, str) and arg.startswith("--config="):
             given.append((i, arg.split("=", 1)[1], True))
     given = [g for g in given if Path(g[1]).is_file()]  # a missing file is left to the parser, which names it
-    argv, overlay = named_callback_options(argv, [path for _, path, _ in given])
-    if overlay is not None:  # after every file, as the last config: it composes on their callbacks by name
-        argv = [*argv, "--config", overlay]
-        given.append((len(argv) - 1, overlay, False))
+    overlay = None
     try:
+        argv, overlay = named_callback_options(argv, [path for _, path, _ in given])
+        if overlay is not None:  # after every file, as the last config: it composes on their callbacks by name
+            argv = [*argv, "--config", overlay]
+            given.append((len(argv) - 1, overlay, False))
         texts = composed_command_line([path for _, path, _ in given])
     except ConfigFileError as err:
         if overlay is not None and str(err).startswith(overlay):
