@@ -27,7 +27,6 @@ config lists them, in the mapping's order, as the trainer takes them.
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -78,12 +77,12 @@ def load_config(path: str | Path) -> dict[str, Any]:
     return _listed(path, composed(path))
 
 
-def composed_command_line(paths: list[str | Path]) -> list[str | None]:
+def composed_command_line(paths: list[str | Path]) -> tuple[list[str | None], dict[str, Any]]:
     """For config files given in this order on one command line (``--config a.yaml --config b.yaml``): each one's
-    composed config as YAML text, or None for a file that needs no composing (:func:`composes`). A file's named
-    callbacks compose on those of the files before it, by name as on a base's; the parser, which takes each file's
-    list of callbacks in place of the one before, then holds them all. A file that lists its callbacks replaces
-    them, as it would without composing."""
+    composed config as YAML text, or None for a file that needs no composing (:func:`composes`), and the named
+    callbacks in force after the last file. A file's named callbacks compose on those of the files before it, by
+    name as on a base's; the parser, which takes each file's list of callbacks in place of the one before, then holds
+    them all. A file that lists its callbacks replaces them, as it would without composing."""
     texts, before = [], {}
     for path in paths:
         content = read_mapping(path)
@@ -94,7 +93,7 @@ def composed_command_line(paths: list[str | Path]) -> list[str | None]:
         elif isinstance(config.get("trainer"), dict) and config["trainer"].get("callbacks") is not None:
             before = {}
         texts.append(_text(_listed(path, config)) if needs_composing else None)
-    return texts
+    return texts, before
 
 
 def _listed(path: str | Path, config: dict[str, Any]) -> dict[str, Any]:
@@ -108,20 +107,19 @@ def _listed(path: str | Path, config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def named_callback_options(argv: list[str], paths: list[str | Path]) -> tuple[list[str], str | None]:
-    """``argv`` without its options of the callbacks the config files at ``paths`` name
-    (``--trainer.callbacks.ema.init_args.decay=0.99``), and those options written as a config file of named callbacks
-    (None without any): jsonargparse would take the name as a key of the callbacks' list and drop the value unsaid.
-    Any other ``--trainer.callbacks.X`` is jsonargparse's (``X``, an option of the last callback listed)."""
-    names = {name for path in paths if named_callbacks(config := composed(path))
-             for name in config["trainer"]["callbacks"]}
+def named_callback_options(argv: list[str], callbacks: dict[str, Any]) -> tuple[list[str], str | None]:
+    """``argv`` without its options of the named ``callbacks`` (``--trainer.callbacks.ema.init_args.decay=0.99``),
+    and the callbacks with those options set, as config text of the listed callbacks (None without any such option):
+    jsonargparse would take the name as a key of the callbacks' list and drop the value unsaid. Any other
+    ``--trainer.callbacks.X`` is jsonargparse's (``X``, an option of the last callback listed)."""
+    callbacks = {name: callback for name, callback in callbacks.items() if callback is not None}
     rest: list[str] = []
     options: dict[str, Any] = {}
     tokens = iter(argv)
     for token in tokens:
         key, joined, value = token.partition("=")
         name = key.removeprefix("--trainer.callbacks.").split(".")[0] if key.startswith("--trainer.callbacks.") else ""
-        if name not in names:
+        if name not in callbacks:
             rest.append(token)
             continue
         value = value if joined else next(tokens, "")
@@ -132,9 +130,7 @@ def named_callback_options(argv: list[str], paths: list[str | Path]) -> tuple[li
         node[leaf] = yaml.safe_load(value)
     if not options:
         return rest, None
-    path = Path(tempfile.mkdtemp(prefix="deqscore-callbacks-")) / "callbacks.yaml"
-    path.write_text(yaml.safe_dump({"trainer": {"callbacks": options}}))
-    return rest, str(path)
+    return rest, _text(_listed("--trainer.callbacks", {"trainer": {"callbacks": merged(callbacks, options)}}))
 
 
 def named_callbacks(config: dict[str, Any]) -> bool:

@@ -55,7 +55,7 @@ def test_named_callbacks_compose_across_the_config_files_of_one_command_line(tmp
                                                                         "curves": None, "ema": {"class_path": "E"}}}})
     plain = write(tmp_path / "plain.yaml", {"trainer": {"max_epochs": 1}})
     listed = write(tmp_path / "listed.yaml", {"trainer": {"callbacks": [{"class_path": "L"}]}})
-    texts = composed_command_line([first, plain, second])
+    texts, callbacks = composed_command_line([first, plain, second])
     assert texts[1] is None  # nothing to compose: the parser reads the file itself
     assert yaml.safe_load(texts[2])["trainer"]["callbacks"] == [  # the parser takes the last list whole
         {"class_path": "M", "init_args": {"k": 1, "j": 2}}, {"class_path": "E"}]

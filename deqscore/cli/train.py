@@ -115,22 +115,17 @@ def compose_config_files(argv: list[str]) -> list[str]:
         elif isinstance(arg, str) and arg.startswith("--config="):
             given.append((i, arg.split("=", 1)[1], True))
     given = [g for g in given if Path(g[1]).is_file()]  # a missing file is left to the parser, which names it
-    overlay = None
     try:
-        argv, overlay = named_callback_options(argv, [path for _, path, _ in given])
-        if overlay is not None:  # after every file, as the last config: it composes on their callbacks by name
-            argv = [*argv, "--config", overlay]
-            given.append((len(argv) - 1, overlay, False))
-        texts = composed_command_line([path for _, path, _ in given])
+        texts, callbacks = composed_command_line([path for _, path, _ in given])
     except ConfigFileError as err:
-        if overlay is not None and str(err).startswith(overlay):
-            usage_error(f"--trainer.callbacks{str(err).removeprefix(overlay).split('trainer.callbacks', 1)[-1]}")
         usage_error(f"--config {err}")
     out = list(argv)
     for (i, _, joined), text in zip(given, texts, strict=True):
         if text is not None:
             out[i] = f"--config={text}" if joined else text
-    return out
+    out, overlay = named_callback_options(out, callbacks)
+    # after every file, as the last config: the named callbacks with the command line's options set
+    return out if overlay is None else [*out, "--config", overlay]
 
 
 class DeqscoreCLI(LightningCLIHooks):

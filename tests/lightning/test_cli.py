@@ -440,6 +440,9 @@ def test_a_named_callbacks_option_reaches_that_callback_alone(tmp_path, capsys):
     assert any(isinstance(c, ModelCheckpoint) and c.filename == "x-{epoch}" for c in cli.trainer.callbacks)
     default = DeqscoreCLI(args=tiny_args(tmp_path, config), run=False)
     assert next(c for c in default.trainer.callbacks if isinstance(c, EMAWeightAveraging)).update_every_n_steps == 1
+    before = DeqscoreCLI(args=["--trainer.callbacks.ema.init_args.update_every_n_steps", "5",  # before the config
+                               *tiny_args(tmp_path, config)], run=False)
+    assert next(c for c in before.trainer.callbacks if isinstance(c, EMAWeightAveraging)).update_every_n_steps == 5
     appended = DeqscoreCLI(args=[*tiny_args(tmp_path, config), "--trainer.callbacks+=LearningRateMonitor",
                                  "--trainer.callbacks.logging_interval=step"], run=False)
     monitor = next(c for c in appended.trainer.callbacks if type(c).__name__ == "LearningRateMonitor")
