@@ -59,6 +59,7 @@ from ..families import declarations
 from ..finite import DeferredChecks, deferred_checks
 from ..losses import Loss
 from ..privates import attached_trainer
+from ..sampling.cost import counting_cost
 from .nonfinite import NonFiniteStops
 from .run_hooks import ClosingStage, ResumeFixes, RunFacts, StepSeeding, batch_inputs
 
@@ -213,6 +214,22 @@ class ScoreModule(NonFiniteStops, pl.LightningModule):
             self.net.train(was_training)
             for d, (warm_start, cache) in zip(layers, saved, strict=True):
                 d.warm_start, d.z_cache = warm_start, cache
+
+    def sampling_cost(self, n: int = 16, seed: int = 0) -> dict[str, float]:
+        """Network evaluations per sample and DEQ solver iterations per evaluation (summed over the DEQ layers),
+        drawing ``n`` samples from ``seed`` with cold (zero) and warm starts; iterations per sample are their
+        product (counted as ``sample.py`` counts them, :func:`deqscore.sampling.cost.counting_cost`). For a family
+        whose ``sample`` takes ``warm`` (NCSN, EDM)."""
+        out = {}
+        for warm in (False, True):
+            generator = torch.Generator(device=next(self.net.parameters()).device).manual_seed(seed)
+            with counting_cost(self.net) as cost:
+                self.sample(n, generator, warm=warm)
+            key = "warm" if warm else "cold"
+            out["evaluations_per_sample"] = float(cost.evaluations)  # one batch: each call evaluates every sample
+            out[f"iterations_per_evaluation_{key}"] = cost.iterations_per_evaluation()
+            out[f"iterations_per_sample_{key}"] = cost.iterations_per_evaluation() * cost.evaluations
+        return out
 
     def check_image_shape(self, family: str) -> None:
         """ConfigError when the data's images are not of the network's ``image_shape``."""

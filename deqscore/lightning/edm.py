@@ -8,7 +8,7 @@ draws (the run's seeding), the held-out denoising loss.
 
 The loss is first-order in the network's output, so a DEQ body may use ``backward: ift`` or ``implicit`` (both
 exact) or ``phantom``. While sampling, each DEQ solve starts from the previous evaluation's fixed point (the next Heun
-evaluation is at the same or a nearby noise level and input); :meth:`EDMModule.sampling_cost` counts network
+evaluation is at the same or a nearby noise level and input); :meth:`~deqscore.lightning.base.ScoreModule.sampling_cost` counts network
 evaluations per sample and solver iterations per evaluation, cold or warm.
 
 Config::
@@ -27,7 +27,6 @@ import torch
 from ..data.protocol import ImageData
 from ..errors import ConfigError
 from ..models.edm import EDM, EDMLoss
-from ..sampling.cost import counting_cost
 from ..sampling.heun import EDMHeun
 from ..sampling.langevin import seeded_generator
 from .base import ScoreModule
@@ -70,17 +69,3 @@ class EDMModule(ScoreModule):
         with self.sampling_mode(warm):
             y = self.sampler(self.net, (n, self.net.dim), generator, device=device)
         return ((y + 1) / 2).clamp(0, 1)
-
-    def sampling_cost(self, n: int = 16, seed: int = 0) -> dict[str, float]:
-        """Network evaluations per sample and DEQ solver iterations per evaluation (summed over the DEQ layers),
-        drawing ``n`` samples from ``seed`` with cold (zero) and warm starts; iterations per sample are their
-        product (counted as ``sample.py`` counts them, :func:`deqscore.sampling.cost.counting_cost`)."""
-        out = {}
-        for warm in (False, True):
-            with counting_cost(self.net) as cost:
-                self.sample(n, torch.Generator(device=next(self.net.parameters()).device).manual_seed(seed), warm)
-            key = "warm" if warm else "cold"
-            out["evaluations_per_sample"] = float(cost.evaluations)  # one batch: each call evaluates every sample
-            out[f"iterations_per_evaluation_{key}"] = cost.iterations_per_evaluation()
-            out[f"iterations_per_sample_{key}"] = cost.iterations_per_evaluation() * cost.evaluations
-        return out

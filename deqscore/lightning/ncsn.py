@@ -124,12 +124,12 @@ class NCSNModule(ScoreModule):
                 **{f"dsm_level_{i}": level for i, level in enumerate(losses.mean(dim=0))}}
 
     @torch.no_grad()
-    def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    def sample(self, n: int, generator: torch.Generator | None = None, warm: bool = True) -> torch.Tensor:
         """``n`` samples ``[n, dim]`` (images in [0, 1] for the ``pixels`` transform) by annealed Langevin dynamics
-        with the network in eval mode and DEQ solves warm-started along the chain (each still solved to its
-        tolerance); the noise comes from ``generator`` (default: seeded from torch's RNG, so ``torch.manual_seed``
-        fixes the samples)."""
+        with the network in eval mode and (``warm``) each DEQ solve started from the previous evaluation's fixed
+        point (each still solved to its tolerance); the noise comes from ``generator`` (default: seeded from torch's
+        RNG, so ``torch.manual_seed`` fixes the samples)."""
         device = self.sigmas.device
         generator = generator or seeded_generator(device)
-        with self.sampling_mode(warm=True):
+        with self.sampling_mode(warm):
             return self.sampler(self.net, (n, self.net.dim), self.sigmas, generator, device=device)

@@ -98,6 +98,13 @@ def test_a_family_study_records_what_its_runs_logged_skips_recorded_units_and_wr
         assert (value["trust"] is not None) == trusted
         if trusted:
             assert 0 < value["trust"]["contraction"] < 1 and value["trust"]["gradient_rel_error"] >= 0
+        if name in ("ncsn", "edm"):  # a DEQ's sampler cost, cold and warm (the untrained control is a DEQ)
+            cost = value["metrics"].get("sampling_cost")
+            assert (cost is not None) == trusted
+            for start in ("cold", "warm") if cost else ():
+                assert cost[f"iterations_per_evaluation_{start}"] > 0
+                assert cost[f"iterations_per_sample_{start}"] == pytest.approx(
+                    cost["evaluations_per_sample"] * cost[f"iterations_per_evaluation_{start}"])
         assert path.with_suffix(".png").exists() == (name != "dkef")  # the sample grid of an image family
     # the seed reaches the run
     if len(seeds) > 1:
@@ -410,6 +417,21 @@ def test_the_untrained_network_is_a_control_not_an_override(tmp_path):
     assert "| mnist | deq vs explicit (shallow) | 3 of 5 / 3 of 5 | +1 ±" in text and "| 4.040 | interim: **" in text
 
 
+def test_the_samplers_cost_cold_and_warm_reaches_the_page(tmp_path):
+    """Per DEQ arm: evaluations per sample, solver iterations per evaluation and per sample (their product), cold
+    and warm, their means over seeds, and the warm start's saving (cold over warm)."""
+    for seed, (cold, warm) in enumerate([(8.0, 6.0), (9.0, 7.0)]):
+        cost = {"evaluations_per_sample": 201.0, "iterations_per_evaluation_cold": cold,
+                "iterations_per_evaluation_warm": warm, "iterations_per_sample_cold": 201 * cold,
+                "iterations_per_sample_warm": 201 * warm}
+        write_unit(tmp_path, "ncsn", "mnist", "deq", seed, {"dsm_every_level": 200.0, "kid": 0.4,
+                                                            "sampling_cost": cost})
+    write_unit(tmp_path, "ncsn", "mnist", "explicit", 0, {"dsm_every_level": 200.0, "kid": 0.4})
+    text = report(tmp_path)
+    assert "| mnist | deq | 2 | 201 | 8.50 | 6.50 | 1,708 | 1,306 | 1.31x |" in text
+    assert "| mnist | explicit | 1 | 201 |" not in text
+
+
 @pytest.mark.parametrize("weights, raw", [("trained", True), ("averaged", False)])
 def test_ncsn_samples_from_the_weights_its_evaluation_names(tmp_path, monkeypatch, weights, raw):
     """``weights=trained`` must reach ``sample.py`` as ``--raw-weights``; the protocol scores the trained weights."""
@@ -425,6 +447,7 @@ def test_ncsn_samples_from_the_weights_its_evaluation_names(tmp_path, monkeypatc
                                                   "num_samples": n, "reference": "r"}))
 
     monkeypatch.setattr(study_evaluation, "draw_samples", draw)
+    monkeypatch.setattr(study_evaluation, "sampler_cost", lambda checkpoint, evaluation: None)  # no checkpoint here
     run = tmp_path / "runs" / "ncsn" / "mnist" / "deq_s0"
     evaluation = PROTOCOL.family("ncsn")["evaluation"] | {"weights": weights, "held_out": False}
     ncsn_bench.evaluate(run, run / "last.ckpt", FAMILIES["ncsn"].variants["deq"], 0, evaluation)

@@ -162,6 +162,20 @@ def test_the_every_level_test_figure_is_fixed_by_the_batch_and_only_in_test():
     assert module.eval_metrics(x, "val", 3) == {}
 
 
+def test_sampling_cost_counts_every_langevin_evaluation_cold_and_warm():
+    """3 levels x 4 steps + the final denoising step = 13 evaluations per sample; a warm start takes fewer solver
+    iterations than a cold one on the same chain (same seed, so the same noise until the solves differ)."""
+    module = _module("annealed_dsm", "phantom", solver="anderson", tol=1e-6, max_iter=60)
+    module.sampler.n_steps_each, module.sampler.progress = 4, False
+    cost = module.sampling_cost(n=3, seed=0)
+    assert cost["evaluations_per_sample"] == 3 * 4 + 1
+    for start in ("cold", "warm"):
+        assert 1 <= cost[f"iterations_per_evaluation_{start}"] <= 60
+        assert cost[f"iterations_per_sample_{start}"] == pytest.approx(13 * cost[f"iterations_per_evaluation_{start}"])
+    assert cost["iterations_per_evaluation_warm"] < cost["iterations_per_evaluation_cold"]
+    assert module.net.training and all(d.z_cache is None for d in module.deq_layers())  # sampling restores both
+
+
 def test_train_py_test_scores_the_trained_weights_with_trained_weights_and_the_average_without(tmp_path):
     """With EMA, a checkpoint's state_dict is the average; TrainedWeights makes train.py test score the trained
     weights. Checked against the held-out figure computed directly from load_module's two sets of weights."""

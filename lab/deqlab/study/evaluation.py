@@ -16,6 +16,7 @@ from deqscore.lightning.run_hooks import batch_inputs
 from .trust import trust_figures
 
 GRID = 100  # samples drawn for an image family's grid
+COST_SAMPLES = 16  # samples of the sampler's cost, cold and warm (counts per sample, so one small batch suffices)
 TRUST_BATCH = 128  # test rows of the trust figures
 
 
@@ -51,8 +52,21 @@ def sample_quality(run_dir: Path, checkpoint: Path, seed: int, evaluation: dict)
                  ["--batch-size", "250", *weights, "--fid", "--reference-images", str(evaluation["reference"]),
                   "--stats-root", str(run_dir.parents[2] / "fid_stats")])
     report = json.loads((out / "fid.json").read_text())
+    cost = sampler_cost(checkpoint, evaluation)
     return {"kid": report["kid"], "kid_std": report["kid_std"], "kid_subset_size": report["kid_subset_size"],
-            "fid": report["fid"], "fid_samples": report["num_samples"], "reference": report["reference"]}
+            "fid": report["fid"], "fid_samples": report["num_samples"], "reference": report["reference"],
+            **({"sampling_cost": cost} if cost else {})}
+
+
+def sampler_cost(checkpoint: Path, evaluation: dict) -> dict | None:
+    """A DEQ's sampling cost on the weights the protocol scores: network evaluations per sample and solver
+    iterations per evaluation, cold and warm (:meth:`~deqscore.lightning.base.ScoreModule.sampling_cost`); None
+    for a network without a DEQ."""
+    from deqscore.lightning import load_module
+
+    module = load_module(checkpoint, raw_weights=evaluation["weights"] == "trained")
+    module.sampler.progress = False
+    return module.sampling_cost(COST_SAMPLES, seed=0) if module.deq_layers() else None
 
 
 def draw_samples(checkpoint: Path, out: Path, n: int, seed: int, options: list[str] = ()) -> None:

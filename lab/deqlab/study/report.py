@@ -28,7 +28,7 @@ from .judging import (
     variant_of_role,
 )
 from .protocol import Protocol, ProtocolError
-from .tables import fmt, per_run_table, reruns_table, sample_grids, trust_table
+from .tables import fmt, per_run_table, reruns_table, sample_grids, sampler_cost_table, trust_table
 
 __all__ = ["fmt", "load_units", "write_page"]
 
@@ -237,7 +237,7 @@ def design_section(family: Family, design: Protocol, rules: Protocol, units: lis
     for group_summaries in by_group.values():
         lines += control_sentence(family, design, group_summaries)
     lines += ["", *reruns_table(family, family.judged(design), units, out), *trust_table(units, rules),
-              *per_run_table(family, units, rules)]
+              *sampler_cost_table(units), *per_run_table(family, units, rules)]
     figures = out / family.name
     for group in family.groups:
         if any(u["group"] == group for u in units):
