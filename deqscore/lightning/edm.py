@@ -8,8 +8,8 @@ draws (the run's seeding), the held-out denoising loss.
 
 The loss is first-order in the network's output, so a DEQ body may use ``backward: ift`` or ``implicit`` (both
 exact) or ``phantom``. While sampling, each DEQ solve starts from the previous evaluation's fixed point (the next Heun
-evaluation is at the same or a nearby noise level and input); :meth:`~deqscore.lightning.base.ScoreModule.sampling_cost` counts network
-evaluations per sample and solver iterations per evaluation, cold or warm.
+evaluation is at the same or a nearby noise level and input); ``sampling_cost`` (:class:`.base.ScoreModule`) counts
+network evaluations per sample and solver iterations per evaluation, cold or warm.
 
 Config::
 
