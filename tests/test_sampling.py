@@ -303,7 +303,8 @@ def test_a_model_without_images_writes_points_and_refuses_what_needs_images_or_a
     for extra, words in ((["--fid"], "--fid: the 'nice' model was not trained on images"),
                          (["--steps", "3"], "--steps: the 'nice' model's sampler has no such setting"),
                          (["--step-size", "0.1"], "--step-size: the 'nice' model's sampler has no such setting"),
-                         (["--final-denoise", "off"], "--final-denoise: the 'nice' model has no annealed Langevin")):
+                         (["--final-denoise", "off"], "--final-denoise: the 'nice' model has no annealed Langevin"),
+                         (["--solver-tol", "0.01"], "--solver-tol: the 'nice' model has no DEQ layer")):
         err = _usage_error(["--checkpoint", path, "--out", tmp_path / "out", *extra], capsys, tmp_path)
         assert words in err, err
 

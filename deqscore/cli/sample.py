@@ -89,6 +89,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--step-size", type=positive_float, default=None,
                         help="Langevin samplers: the step size (annealed: the base step size), instead of the "
                              "checkpoint's")
+    parser.add_argument("--solver-tol", type=positive_float, default=None,
+                        help="DEQ models: the solvers' tolerance while sampling, instead of the checkpoint's (its "
+                             "training tolerance)")
     fid = parser.add_argument_group("FID (--fid)")
     fid.add_argument("--fid", action="store_true",
                      help="compute the FID of the samples against the training set's statistics; writes fid.json")
@@ -215,9 +218,14 @@ SAMPLER_OPTIONS = {"steps": ("n_steps", "n_steps_each", "num_steps"), "step_size
 
 
 def set_sampler_options(module: ScoreModule, args: argparse.Namespace) -> None:
-    """``--final-denoise``, ``--steps`` and ``--step-size`` set on the module's sampler, or a usage error naming
-    the option the sampler does not have."""
+    """``--final-denoise``, ``--steps`` and ``--step-size`` set on the module's sampler and ``--solver-tol`` on its
+    DEQ layers, or a usage error naming the option the model does not have."""
     sampler = getattr(module, "sampler", None)
+    if args.solver_tol is not None:
+        if not module.deq_layers():
+            usage_error(f"--solver-tol: the {module.family!r} model has no DEQ layer")
+        for layer in module.deq_layers():
+            layer.tol = args.solver_tol
     if args.final_denoise is not None:
         if not hasattr(sampler, "final_denoise"):
             usage_error(f"--final-denoise: the {module.family!r} model has no annealed Langevin sampler")

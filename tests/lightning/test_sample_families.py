@@ -100,3 +100,15 @@ def test_a_dkef_samples_its_density():
     se_cov = np.sqrt((np.outer(np.diag(expected), np.diag(expected)) + expected**2) / n)
     assert (np.abs(points.mean(0) - mean) < 4 * se_mean).all(), points.mean(0)
     assert (np.abs(np.cov(points.T) - expected) < 4 * se_cov).all(), np.cov(points.T)
+
+
+def test_solver_tol_sets_the_deq_tolerance_while_sampling(tmp_path, capsys):
+    """A looser tolerance stops every solve sooner: fewer solver iterations per evaluation, as sample.py prints."""
+    checkpoint = _trained(tmp_path, sampled_config("ncsn"))
+
+    def iterations(*extra: str) -> float:
+        _sample(checkpoint, tmp_path / "s", "--steps", "3", *extra)
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("sampling cost:"))
+        return float(line.split("DEQ solver iterations ")[1].split(" per evaluation")[0])
+
+    assert 1 <= iterations("--solver-tol", "0.5") < iterations("--solver-tol", "1e-6")
