@@ -178,7 +178,10 @@ def sampler_cost_table(units: list[dict]) -> list[str]:
             "summed over the DEQ layers of one evaluation). A warm start saves as much as the input moves little "
             "between consecutive evaluations: a Langevin step adds noise of sqrt(2 alpha_i) per pixel (0.63 sigma_i "
             "at step_lr 2e-5 and sigma_L 0.01), and a Heun step moves to the next of 18 noise levels, so the last "
-            "fixed point is only a modestly better start than zero.", "", *pipe_table(header, rows), ""]
+            "fixed point is only a modestly better start than zero. The solves also run to the training tolerance, "
+            "tighter than sampling needs: `sample.py --solver-tol 1e-2` took 2.6x fewer iterations on the NCSN "
+            "pilot's DEQ at an unchanged KID (benchmarks/results/ncsn_cpu_pilot/tolerance/).", "",
+            *pipe_table(header, rows), ""]
 
 
 def sample_grids(family: Family, units: list[dict], out: Path, rel) -> list[str]:
