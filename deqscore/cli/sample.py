@@ -14,7 +14,9 @@ The model family and the data transform to undo are read from the checkpoint. Wr
 
 Energy models (DKEF) are sampled by Langevin dynamics on their density, Metropolis-adjusted as the checkpoint's
 sampler says; ``--steps`` and ``--step-size`` override the chain's length and step size (for NCSN's annealed
-sampler: the steps per noise level and the base step size), and the acceptance rate is printed.
+sampler: the steps per noise level and the base step size), and the acceptance rate is printed. For a DEQ model
+the network evaluations per sample and the solver iterations are printed, and ``--solver-tol`` sets the DEQ
+layers' tolerance while sampling (the checkpoint's is the training one, which sampling may not need).
 
 Both are written as ``.samples.partial.<pid>.npz`` / ``.png`` and renamed when complete, so an interrupted run
 never leaves a ``samples.npz`` that looks complete (an existing one from an earlier run is replaced only then).
@@ -28,7 +30,7 @@ matches (the same seed and batch size draw the same samples) is kept. The same `
 give the same samples. Mistakes in the options (a
 missing or unreadable checkpoint, an ``--out`` that cannot be written, counts or step sizes not above 0, an
 unavailable device, ``--fid`` without reference images or statistics or for a model of points, a sampler option
-the model's sampler does not have) are reported in one line with exit status 2, and nothing
+the model's sampler does not have, ``--solver-tol`` for a model without a DEQ) are reported in one line with exit status 2, and nothing
 written; the output location and the FID reference are checked before anything is drawn.
 """
 
