@@ -12,6 +12,15 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _threads():
+    """A test that sets torch's thread count (a program run in-process, a one-thread measurement) leaves it as it
+    found it: the tests after it run, and sum, as they do alone."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _torch_home(tmp_path_factory):
     """Weights resolved or converted during the tests (the FID Inception) go to a session folder, never to the

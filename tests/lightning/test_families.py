@@ -18,6 +18,20 @@ from .config_losses import TWO_STEPS, logged_training, recorded
 from .conftest import CONFIGS, FAMILY_TINY, ROOT, family_of, tiny_args
 
 RECORDED_LOSSES = recorded()
+# the DEQ's mean iterations per solve and share of converged layers move in whole steps where a residual crosses
+# the tolerance; a loss by rounding, relatively or (a difference of nearly equal terms) absolutely: up to 2e-5 with
+# other kernels (ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE), 1.5e-4 where a solve stopped unconverged at its cap
+# (an iterate, not a fixed point, carries the rounding of every iteration)
+RECORD_TOLERANCE = {"nstep": {"abs": 1.0}, "converged": {"abs": 0.34}}
+LOSS_TOLERANCE = {"rel": 1e-4, "abs": 1e-4}
+UNCONVERGED_LOSS_TOLERANCE = {"rel": 1e-3, "abs": 1e-4}
+
+
+def recorded_approx(row: dict[str, float]) -> dict:
+    """A recorded row of training metrics as the values another CPU's run must match."""
+    loss = LOSS_TOLERANCE if row.get("train/deq/converged", 1.0) == 1.0 else UNCONVERGED_LOSS_TOLERANCE
+    return {key: pytest.approx(value, **RECORD_TOLERANCE.get(key.rsplit("/", 1)[-1], loss))
+            for key, value in row.items()}
 
 FAMILY_CONFIGS = [c for configs, _ in FAMILY_TINY.values() for c in configs]
 ids = lambda p: str(p.relative_to(ROOT / "configs"))  # noqa: E731
@@ -96,8 +110,9 @@ def test_two_steps_log_the_recorded_losses_and_the_checkpoint_rebuilds_the_modul
     expected = RECORDED_LOSSES[name]
     logged = logged_training(tmp_path / "f")
     assert [sorted(row) for row in logged] == [sorted(row) for row in expected]
-    # bit-identical on one machine; 1e-4 leaves room for another CPU's sums, and a changed option moves them more
-    assert logged == [pytest.approx(row, rel=1e-4) for row in expected]
+    # bit-identical on one machine; another CPU sums in another order (MKL picks its kernels by vendor), which may
+    # move a residual across the tolerance: a solve one iteration longer, a layer one step short of converging
+    assert logged == [recorded_approx(row) for row in expected]
     ckpt = tmp_path / "f" / "checkpoints" / "last.ckpt"
     module = load_module(ckpt)  # the checkpoint alone
     assert isinstance(module, ScoreModule) and type(module) is type(cli.model)
