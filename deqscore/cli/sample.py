@@ -30,8 +30,8 @@ matches (the same seed and batch size draw the same samples) is kept. The same `
 give the same samples. Mistakes in the options (a
 missing or unreadable checkpoint, an ``--out`` that cannot be written, counts or step sizes not above 0, an
 unavailable device, ``--fid`` without reference images or statistics or for a model of points, a sampler option
-the model's sampler does not have, ``--solver-tol`` for a model without a DEQ) are reported in one line with exit status 2, and nothing
-written; the output location and the FID reference are checked before anything is drawn.
+the model's sampler does not have, ``--solver-tol`` for a model without a DEQ) are reported in one line with exit
+status 2, and nothing written; the output location and the FID reference are checked before anything is drawn.
 """
 
 from __future__ import annotations

@@ -166,11 +166,11 @@ def sampler_cost_table(units: list[dict]) -> list[str]:
     rows = []
     for group, name in dict.fromkeys((u["group"], u["variant"]) for u in runs):
         costs = [value_of(u, "sampling_cost") for u in runs if (u["group"], u["variant"]) == (group, name)]
-        mean = lambda key: sum(c[key] for c in costs) / len(costs)  # noqa: E731
-        rows.append([group, name, str(len(costs)), f"{mean('evaluations_per_sample'):g}",
-                     f"{mean('iterations_per_evaluation_cold'):.2f}", f"{mean('iterations_per_evaluation_warm'):.2f}",
-                     f"{mean('iterations_per_sample_cold'):,.0f}", f"{mean('iterations_per_sample_warm'):,.0f}",
-                     f"{mean('iterations_per_sample_cold') / mean('iterations_per_sample_warm'):.2f}x"])
+        mean = {key: sum(c[key] for c in costs) / len(costs) for key in costs[0]}
+        rows.append([group, name, str(len(costs)), f"{mean['evaluations_per_sample']:g}",
+                     f"{mean['iterations_per_evaluation_cold']:.2f}", f"{mean['iterations_per_evaluation_warm']:.2f}",
+                     f"{mean['iterations_per_sample_cold']:,.0f}", f"{mean['iterations_per_sample_warm']:,.0f}",
+                     f"{mean['iterations_per_sample_cold'] / mean['iterations_per_sample_warm']:.2f}x"])
     header = ["data", "variant", "seeds", "evaluations / sample", "iterations / evaluation (cold)",
               "iterations / evaluation (warm)", "iterations / sample (cold)", "iterations / sample (warm)",
               "warm saving"]
