@@ -507,6 +507,43 @@ def test_a_unit_rerun_with_the_same_seed_code_and_threads_is_bit_identical(tmp_p
         page.read_text()
 
 
+def test_a_unit_stopped_part_way_continues_from_its_checkpoint_and_gives_the_uninterrupted_result(
+        tmp_path, monkeypatch):
+    """A tiny DKEF unit preempted by a real SIGTERM after its first step saves its state; the study launched again
+    continues that run (not a fresh one) and records what an uninterrupted unit records, bit for bit. A run left by
+    another launch is moved aside, never continued."""
+    from deqscore.lightning.callbacks import Preempted
+
+    from .preempt import FLAG
+
+    def study(root: str) -> list[dict]:
+        options, fit = fixture_file("dkef").STUDY_TINY
+        return main(["study", "--family", "dkef", "--budget", str(2 / FAMILIES["dkef"].iterations), "--runs-root",
+                     str(tmp_path / root / "runs"), "--out", str(tmp_path / root / "out"), "--config-rates",
+                     "--variants", "explicit", "--seeds", "0", *options[2:], "--extra", *QUIET, *fit,
+                     "--trainer.callbacks+=tests.lab.preempt.PreemptOnce"])["dkef"]
+
+    whole = study("whole")
+    flag = tmp_path / "preempt"
+    flag.write_text("")
+    monkeypatch.setenv(FLAG, str(flag))
+    with pytest.raises(Preempted):
+        study("cut")
+    run = tmp_path / "cut" / "runs" / "dkef" / "redwine" / "explicit_s0"
+    assert torch.load(run / "checkpoints" / "interrupted.ckpt", weights_only=False)["global_step"] == 1
+    cut = study("cut")
+    assert cut[0]["value"]["resumed_at_step"] == 1 and not flag.exists()
+    assert cut[0]["value"]["metrics"] == whole[0]["value"]["metrics"]
+    assert cut[0]["value"]["curves"] == whole[0]["value"]["curves"]
+    # another launch (here: other code) finds the run and moves it aside
+    unit = tmp_path / "cut" / "out" / "dkef" / "redwine" / "explicit_s0.json"
+    unit.unlink()
+    launch = json.loads((run / core.LAUNCH_FILE).read_text())
+    (run / core.LAUNCH_FILE).write_text(json.dumps({**launch, "code": {"commit": "0" * 40}}))
+    assert "resumed_at_step" not in study("cut")[0]["value"]
+    assert (run.parent / "explicit_s0.1").is_dir()
+
+
 def test_each_arm_trains_at_the_rate_its_validation_chose(tmp_path, monkeypatch):
     """Tuning runs at every rate of the grid and the tuning seed (recorded under tuning/), then the unit at the
     rate with the best validation figure; a tie keeps the smaller rate."""

@@ -17,9 +17,10 @@ chosen first from tuning runs (:mod:`.tuning`). Each
 family's training iterations (run directory ``<runs-root>/<family>/<data>/<variant>_s<seed>``), then the family's
 evaluation of its final weights (see :mod:`deqlab.study.evaluation`), recorded as
 ``<out>/<family>/<data>/<variant>_s<seed>.json``. A unit already recorded with the same settings is read back
-instead of run again, so a study longer than one sitting continues where it stopped (a run directory left by an
-interrupted unit is moved aside); a unit recorded with other settings, config, arguments or code of the family is
-run again and replaced (:func:`.core.run_unit`). Units run seed by seed, each seed's variants in the family's
-order, so an interrupted study has whole seeds of the first variants. ``--rerun`` records the named units again
-under ``<data>/reruns/`` (the page's run-to-run spread). ``--extra`` passes arguments to every fit.
+instead of run again, so a study longer than one sitting continues where it stopped (a unit stopped part-way
+continues from its run's checkpoint where its launch is the same, :func:`.core.resumable`); a unit recorded with
+other settings, config, arguments or code of the family is run again and replaced (:func:`.core.run_unit`).
+Units run seed by seed, each seed's variants in the family's order, so an interrupted study has whole seeds of the
+first variants. ``--rerun`` records the named units again under ``<data>/reruns/`` (the page's run-to-run spread).
+``--extra`` passes arguments to every fit.
 """

@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[3]
 # files that only write the results page: a change to them leaves every recorded unit as it was
 REPORT_ONLY = tuple(f"lab/deqlab/study/{name}.py" for name in ("report", "tables", "judging", "verdict", "figures"))
 CURVE_POINTS = 60  # points kept of each training curve in a unit file
+LAUNCH_FILE = "study_launch.json"  # in a unit's run directory: what it was launched with (a stopped one resumes)
 
 
 @dataclass(frozen=True)
@@ -204,7 +205,9 @@ def run_unit(family: Family, group: str, name: str, seed: int, settings: UnitSet
 
     def compute() -> dict:
         run_dir = runs_root / family.name / group / (stem if folder is None else f"{folder}/{stem}")
-        result = train_and_evaluate(family, name, seed, settings, run_dir, arguments, evaluate=kind != "tuning")
+        launch = {"settings": settings.recorded_as(family), "fit": governing, "code": facts.get("code")}
+        result = train_and_evaluate(family, name, seed, settings, run_dir, arguments, evaluate=kind != "tuning",
+                                    launch=launch)
         grid = run_dir / "samples" / "samples.png"
         if grid.exists() and kind == "unit":
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -220,22 +223,51 @@ def run_unit(family: Family, group: str, name: str, seed: int, settings: UnitSet
     return json.loads(path.read_text())  # the unit as recorded: facts, settings and value
 
 
+def resumable(run_dir: Path, launch: dict | None) -> Path | None:
+    """The checkpoint a stopped run of this very unit continues from: its run directory records the same
+    ``launch`` (settings, composed config and arguments, code) and holds a checkpoint; None otherwise. The state
+    a stop saved (``interrupted.ckpt``) is taken where no later step was saved: a checkpoint written by a
+    validation in the same step (``last.ckpt``) resumes with that step's log rows dropped."""
+    import torch
+
+    from deqscore.lightning.runs import resume_checkpoint
+
+    record = run_dir / LAUNCH_FILE
+    if launch is None or not record.is_file() or json.loads(record.read_text()) != json.loads(json.dumps(launch)):
+        return None
+    newest, stopped = resume_checkpoint(run_dir), run_dir / "checkpoints" / "interrupted.ckpt"
+    step = lambda path: torch.load(path, map_location="cpu", weights_only=False)["global_step"]  # noqa: E731
+    return stopped if stopped.is_file() and newest is not None and step(stopped) >= step(newest) else newest
+
+
 def train_and_evaluate(family: Family, name: str, seed: int, settings: UnitSettings, run_dir: Path,
-                       arguments: list[str], evaluate: bool = True) -> dict:
+                       arguments: list[str], evaluate: bool = True, launch: dict | None = None) -> dict:
     """``train.py fit`` of one variant with ``arguments`` (none of its iterations for an untrained variant), then,
-    with ``evaluate``, the family's evaluation of its final weights: the run facts, the curves and the metrics."""
+    with ``evaluate``, the family's evaluation of its final weights: the run facts, the curves and the metrics. A
+    run of the same ``launch`` that was stopped (preempted, killed) continues from its checkpoint, which gives what
+    an uninterrupted run gives; any other run found in ``run_dir`` is moved aside."""
+    import torch
+
     from deqscore.cli.train import main as train
     from deqscore.lightning.runs import move_aside
 
     warnings.filterwarnings("ignore", "LightningCLI's args parameter is intended")  # CLI calls from Python
     variant = family.variants[name]
-    if run_dir.exists():  # left by an interrupted unit or one of other settings: kept aside, never written into
+    resume = resumable(run_dir, launch)
+    if resume is not None:
+        print(f"continuing the stopped run {run_dir} from {resume.name}")
+    elif run_dir.exists():  # left by another launch, or stopped before its first checkpoint: kept aside
         print(f"moved the earlier run {run_dir} aside to {move_aside(run_dir)}")
+    if resume is None and launch is not None:
+        run_dir.mkdir(parents=True)
+        (run_dir / LAUNCH_FILE).write_text(json.dumps(launch))
     iterations = family.iterations_at(settings.budget) if variant.trained else 0
+    resumed_steps = 0 if resume is None else torch.load(resume, map_location="cpu", weights_only=False)["global_step"]
     start = time.perf_counter()
     fit = train(["fit", f"--config={ROOT / variant.config}", f"--run_name={run_dir.name}",
-                 f"--runs_root={run_dir.parent}", *arguments])
+                 f"--runs_root={run_dir.parent}", *arguments, *([f"--ckpt_path={resume}"] if resume else [])])
     fit_seconds = time.perf_counter() - start
+    ran = iterations - resumed_steps / variant.steps_per_iteration  # the iterations this call trained
     if fit.trainer.global_step != iterations * variant.steps_per_iteration:  # e.g. --extra changed score_updates
         raise RuntimeError(f"{family.name} {name}: {fit.trainer.global_step} optimiser steps where the budget is "
                            f"{iterations} iterations of {variant.steps_per_iteration}; the variant's "
@@ -244,7 +276,8 @@ def train_and_evaluate(family: Family, name: str, seed: int, settings: UnitSetti
     series = read_metrics_csv(logged) if logged.exists() else {}
     facts = {"config": variant.config, "arguments": arguments, "iterations": iterations,
              "optimiser_steps": fit.trainer.global_step, **run_facts(series),
-             "seconds_per_iteration": fit_seconds / iterations if iterations else None, "curves": curves(series)}
+             "seconds_per_iteration": fit_seconds / ran if ran else None, "curves": curves(series),
+             **({"resumed_at_step": resumed_steps} if resume is not None else {})}
     if not evaluate:  # a tuning run: its validation figures
         return facts | {"validation": {k: v for k, v in series.items() if k.startswith("val/")}}
     checkpoint = run_dir / "checkpoints" / "final.ckpt"  # a family's closing stage (DKEF) ends in final.ckpt
