@@ -535,6 +535,9 @@ def test_a_unit_stopped_part_way_continues_from_its_checkpoint_and_gives_the_uni
     assert cut[0]["value"]["resumed_at_step"] == 1 and not flag.exists()
     assert cut[0]["value"]["metrics"] == whole[0]["value"]["metrics"]
     assert cut[0]["value"]["curves"] == whole[0]["value"]["curves"]
+    page = tmp_path / "results.md"
+    main(["study", "--report", "--out", str(tmp_path / "cut" / "out"), "--page", str(page)])
+    assert " (resumed at step 1) |" in page.read_text()
     # another launch (here: other code) finds the run and moves it aside
     unit = tmp_path / "cut" / "out" / "dkef" / "redwine" / "explicit_s0.json"
     unit.unlink()

@@ -93,13 +93,17 @@ def backward_of(unit: dict) -> str:
 
 
 def provenance(unit: dict) -> list[str]:
-    """Protocol, code, threads, torch, start and hours of one unit ('–' where the unit predates the record)."""
+    """Protocol, code, threads, torch, start and hours of one unit ('–' where the unit predates the record); a
+    unit that continued a stopped run says from which step (its start and hours are those of the launch that
+    finished it)."""
     code = unit.get("code")
     commit = "–" if code is None else f"`{code['commit'][:10]}`" + ("+" if code["uncommitted_changes"] else "")
     start, end = unit.get("started"), unit.get("ended")
     hours = "–"
     if start and end:
         hours = f"{(datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds() / 3600:.2f}"
+    if (resumed := unit["value"].get("resumed_at_step")) is not None:
+        hours += f" (resumed at step {resumed:,})"
     return [f"v{unit['settings']['protocol']['version']}", commit, str(unit.get("threads", "–")),
             unit.get("torch", "–"), unit["device"], start[:16].replace("T", " ") if start else "–", hours]
 
