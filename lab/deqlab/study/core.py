@@ -223,10 +223,10 @@ def run_unit(family: Family, group: str, name: str, seed: int, settings: UnitSet
     return json.loads(path.read_text())  # the unit as recorded: facts, settings and value
 
 
-def resumable(run_dir: Path, launch: dict | None) -> Path | None:
-    """The checkpoint a stopped run of this very unit continues from: its run directory records the same
-    ``launch`` (settings, composed config and arguments, code) and holds a checkpoint; None otherwise. The state
-    a stop saved (``interrupted.ckpt``) is taken where no later step was saved: a checkpoint written by a
+def resumable(run_dir: Path, launch: dict | None) -> tuple[Path, int] | None:
+    """The checkpoint a stopped run of this very unit continues from, and its step: its run directory records the
+    same ``launch`` (settings, composed config and arguments, code) and holds a checkpoint; None otherwise. The
+    state a stop saved (``interrupted.ckpt``) is taken where no later step was saved: a checkpoint written by a
     validation in the same step (``last.ckpt``) resumes with that step's log rows dropped."""
     import torch
 
@@ -236,8 +236,13 @@ def resumable(run_dir: Path, launch: dict | None) -> Path | None:
     if launch is None or not record.is_file() or json.loads(record.read_text()) != json.loads(json.dumps(launch)):
         return None
     newest, stopped = resume_checkpoint(run_dir), run_dir / "checkpoints" / "interrupted.ckpt"
+    if newest is None:
+        return None
     step = lambda path: torch.load(path, map_location="cpu", weights_only=False)["global_step"]  # noqa: E731
-    return stopped if stopped.is_file() and newest is not None and step(stopped) >= step(newest) else newest
+    found = step(newest)
+    if newest != stopped and stopped.is_file() and (stopped_at := step(stopped)) >= found:
+        return stopped, stopped_at
+    return newest, found
 
 
 def train_and_evaluate(family: Family, name: str, seed: int, settings: UnitSettings, run_dir: Path,
@@ -246,14 +251,12 @@ def train_and_evaluate(family: Family, name: str, seed: int, settings: UnitSetti
     with ``evaluate``, the family's evaluation of its final weights: the run facts, the curves and the metrics. A
     run of the same ``launch`` that was stopped (preempted, killed) continues from its checkpoint, which gives what
     an uninterrupted run gives; any other run found in ``run_dir`` is moved aside."""
-    import torch
-
     from deqscore.cli.train import main as train
     from deqscore.lightning.runs import move_aside
 
     warnings.filterwarnings("ignore", "LightningCLI's args parameter is intended")  # CLI calls from Python
     variant = family.variants[name]
-    resume = resumable(run_dir, launch)
+    resume, resumed_steps = resumable(run_dir, launch) or (None, 0)
     if resume is not None:
         print(f"continuing the stopped run {run_dir} from {resume.name}")
     elif run_dir.exists():  # left by another launch, or stopped before its first checkpoint: kept aside
@@ -262,7 +265,6 @@ def train_and_evaluate(family: Family, name: str, seed: int, settings: UnitSetti
         run_dir.mkdir(parents=True)
         (run_dir / LAUNCH_FILE).write_text(json.dumps(launch))
     iterations = family.iterations_at(settings.budget) if variant.trained else 0
-    resumed_steps = 0 if resume is None else torch.load(resume, map_location="cpu", weights_only=False)["global_step"]
     start = time.perf_counter()
     fit = train(["fit", f"--config={ROOT / variant.config}", f"--run_name={run_dir.name}",
                  f"--runs_root={run_dir.parent}", *arguments, *([f"--ckpt_path={resume}"] if resume else [])])
