@@ -7,8 +7,9 @@ release that changes one fails there, naming it, rather than changing a run sile
 * a checkpoint's loop state (Lightning's layout of ``checkpoint["loops"]``): read for the logging step of a
   resume, rewritten so that a resumed run continues exactly (:func:`complete_finished_epoch`,
   :func:`reopen_cut_epoch`), and the checkpoint callbacks' saved paths carried to a moved run directory;
-* the running fit loop: the count of optimizer-stepping batches (the step axis of the per-step metrics), whether
-  the batch is the epoch's last, and a restart turned into a fresh epoch;
+* the running fit loop: the count of optimizer-stepping batches (the step axis of the per-step metrics), the step a
+  resume from a checkpoint saved now logs at, whether the batch is the epoch's last, and a restart turned into a
+  fresh epoch;
 * :class:`~pytorch_lightning.callbacks.ModelCheckpoint`'s own save of ``last.ckpt``;
 * the trainer a LightningModule is attached to, or None;
 * ``CSVLogger``'s writer, made to continue an existing ``metrics.csv`` (:class:`AppendingCSVLogger`);
@@ -126,6 +127,18 @@ def batches_that_stepped(trainer: pl.Trainer) -> int:
     """The step Lightning logs per-step metrics at: its count of optimizer-stepping batches, which differs from
     ``global_step`` when a family steps several optimisers in a batch."""
     return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def next_log_step(trainer: pl.Trainer) -> int:
+    """The step a run resumed from a checkpoint saved now logs its first batch at: the count of optimizer-stepping
+    batches, plus the batch under way where Lightning has not counted it yet. It counts a batch after the batch's end
+    hooks and after a validation run at the batch's end, so a save from either (a preemption, a mid-epoch
+    ``last.ckpt``) precedes the count, which a resume then completes; a save at the epoch's end follows it."""
+    loop = trainer.fit_loop.epoch_loop
+    progress = loop.batch_progress.total
+    in_batch_end = progress.completed < progress.processed
+    in_validation_of_fit = trainer.validating and trainer.state.fn == "fit" and not trainer.sanity_checking
+    return loop._batches_that_stepped + int((in_batch_end or in_validation_of_fit) and not loop._should_accumulate())
 
 
 def at_last_batch_of_epoch(trainer: pl.Trainer) -> bool:

@@ -32,12 +32,14 @@ from ..metrics import parameter_count, step_activation_bytes
 from ..privates import (
     batches_that_stepped,
     complete_finished_epoch,
+    next_log_step,
     relocate_checkpoint_states,
     reopen_cut_epoch,
     save_last_checkpoint,
     start_epoch_afresh,
 )
 from .callbacks import run_dir
+from .runs import LOG_STEP_KEY
 
 
 def batch_inputs(batch: Any) -> torch.Tensor:
@@ -75,7 +77,8 @@ class ResumeFixes(pl.Callback):
     start the others afresh).
 
     A run that ends mid-epoch (at ``max_steps``) writes ``last.ckpt`` at its last step (Lightning would keep the last
-    epoch's end when it wrote one before)."""
+    epoch's end when it wrote one before). Every checkpoint records the step a resume from it logs at
+    (:func:`~deqscore.privates.next_log_step`), where the resume truncates the run's log."""
 
     def __init__(self) -> None:
         self._resumed_after_epoch = False
@@ -87,6 +90,10 @@ class ResumeFixes(pl.Callback):
         relocate_checkpoint_states(trainer, checkpoint)
         if "optimizer_states" in checkpoint:
             self._saved_optimizers = len(checkpoint["optimizer_states"])
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        # the loop state alone cannot tell a save by a validation at a batch's end from one after the batch counted
+        checkpoint[LOG_STEP_KEY] = next_log_step(trainer)
 
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         self._set_data_epoch(trainer)  # a resume in the middle of an epoch gets no on_train_epoch_start

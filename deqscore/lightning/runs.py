@@ -109,6 +109,7 @@ def holds_a_run(run_dir: Path) -> list[str]:
 
 RUN_ID_FILE = "run_id"  # in a run directory: the identity its checkpoints carry
 RUN_ID_KEY = "deqscore_run_id"  # in a checkpoint
+LOG_STEP_KEY = "deqscore_log_step"  # in a checkpoint: the step a resume from it logs its first batch at
 
 
 def run_id(run_dir: Path, create: bool = False) -> str | None:
@@ -230,8 +231,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def checkpoint_log_step(ckpt: dict[str, Any]) -> int:
-    """The logging step a run resumed from ``ckpt`` continues at (Lightning's count of optimizer-stepping batches,
-    plus the batch a checkpoint saved at a batch's end does not count yet, as Lightning adds it on resume)."""
+    """The logging step a run resumed from ``ckpt`` continues at: as recorded when it was saved
+    (:class:`~deqscore.lightning.run_hooks.ResumeFixes`), else read from its loop state (Lightning's count of
+    optimizer-stepping batches, plus the batch a checkpoint saved at a batch's end does not count yet)."""
+    if LOG_STEP_KEY in ckpt:
+        return int(ckpt[LOG_STEP_KEY])
     return checkpoint_batches_that_stepped(ckpt) + saved_at_batch_end(ckpt)
 
 

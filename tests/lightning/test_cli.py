@@ -1,3 +1,4 @@
+import csv
 import hashlib
 
 import pytest
@@ -217,6 +218,36 @@ def test_a_run_cut_mid_epoch_by_max_steps_keeps_its_last_step_and_extends_exactl
     assert resumed["global_step"] == straight["global_step"] == 10  # the epoch's end was at 8
     for key, value in straight["state_dict"].items():
         assert torch.equal(resumed["state_dict"][key], value), key
+
+
+def _logged_rows(run_dir):
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return [(r["step"], r.get("train/loss"), r.get("val/loss")) for r in csv.DictReader(f)
+                if r.get("train/loss") or r.get("val/loss")]
+
+
+@pytest.mark.parametrize(("config", "every", "cut", "steps_per_batch"), [
+    ("configs/nice/explicit.yaml", 2, 4, 1),  # last.ckpt written by a validation in the middle of an epoch
+    ("configs/nice/explicit.yaml", 4, 8, 1),  # ... by a validation at an epoch's last batch (8 batches an epoch)
+    ("configs/vae/deq_mnist.yaml", 2, 4, 3)])  # a batch: the score net's 2 updates, the VAE's 1
+def test_a_run_resumed_from_a_checkpoint_written_by_a_validation_logs_as_an_uninterrupted_one(tmp_path, config,
+                                                                                            every, cut,
+                                                                                            steps_per_batch):
+    """A validation at a batch's end writes ``last.ckpt`` before Lightning counts that batch as logged; the resume
+    must keep that step's rows (training loss and validation) and log the rest at the uninterrupted run's steps."""
+    def fresh(name, batches):
+        return ["fit", *tiny_args(tmp_path, config, name), "--data.init_args.train_subset", "128",
+                "--trainer.max_steps", str(batches * steps_per_batch), "--trainer.max_epochs", "-1",
+                "--trainer.val_check_interval", str(every), "--trainer.check_val_every_n_epoch", "null"]
+
+    main(fresh("cut", cut))
+    main(["fit", "--config", str(tmp_path / "cut" / "config.yaml"), "--trainer.max_steps",
+          str((cut + 4) * steps_per_batch), "--ckpt_path", str(tmp_path / "cut" / "checkpoints" / "last.ckpt")])
+    main(fresh("straight", cut + 4))
+    straight = _logged_rows(tmp_path / "straight")
+    assert str(cut - 1) in {step for step, _, val in straight if val}  # a validation at the checkpoint's step
+    assert len({step for step, loss, _ in straight if loss}) == cut + 4
+    assert _logged_rows(tmp_path / "cut") == straight
 
 
 def _nice_module(loss="ssm", deq=None, **net):

@@ -224,10 +224,9 @@ def run_unit(family: Family, group: str, name: str, seed: int, settings: UnitSet
 
 
 def resumable(run_dir: Path, launch: dict | None) -> tuple[Path, int] | None:
-    """The checkpoint a stopped run of this very unit continues from, and its step: its run directory records the
-    same ``launch`` (settings, composed config and arguments, code) and holds a checkpoint; None otherwise. The
-    state a stop saved (``interrupted.ckpt``) is taken where no later step was saved: a checkpoint written by a
-    validation in the same step (``last.ckpt``) resumes with that step's log rows dropped."""
+    """The checkpoint a stopped run of this very unit continues from (:func:`~deqscore.lightning.runs.
+    resume_checkpoint`), and its step: its run directory records the same ``launch`` (settings, composed config and
+    arguments, code) and holds a checkpoint; None otherwise."""
     import torch
 
     from deqscore.lightning.runs import resume_checkpoint
@@ -235,14 +234,10 @@ def resumable(run_dir: Path, launch: dict | None) -> tuple[Path, int] | None:
     record = run_dir / LAUNCH_FILE
     if launch is None or not record.is_file() or json.loads(record.read_text()) != json.loads(json.dumps(launch)):
         return None
-    newest, stopped = resume_checkpoint(run_dir), run_dir / "checkpoints" / "interrupted.ckpt"
-    if newest is None:
+    found = resume_checkpoint(run_dir)
+    if found is None:
         return None
-    step = lambda path: torch.load(path, map_location="cpu", weights_only=False)["global_step"]  # noqa: E731
-    found = step(newest)
-    if newest != stopped and stopped.is_file() and (stopped_at := step(stopped)) >= found:
-        return stopped, stopped_at
-    return newest, found
+    return found, torch.load(found, map_location="cpu", weights_only=False)["global_step"]
 
 
 def train_and_evaluate(family: Family, name: str, seed: int, settings: UnitSettings, run_dir: Path,
