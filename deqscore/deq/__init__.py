@@ -7,6 +7,8 @@ from .layer import (
     DEQConvergenceWarning,
     DEQFactory,
     SecondOrderIFTError,
+    restore_warm_starts,
+    set_aside_warm_starts,
 )
 from .norm import FrobeniusScale, SpectralCap, frobenius_scale, spectral_cap, spectral_normalize
 from .solvers import (
@@ -34,6 +36,8 @@ __all__ = [
     "get_solver",
     "register_solver",
     "require_backward",
+    "restore_warm_starts",
+    "set_aside_warm_starts",
     "spectral_cap",
     "spectral_normalize",
 ]

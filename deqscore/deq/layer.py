@@ -147,12 +147,13 @@ class DEQ(nn.Module):
         self.stats: SolverStats | None = None
         # backward="implicit": the last adjoint solve of each nesting level (1: a first derivative's, 2: ...)
         self.adjoint_stats: dict[int, SolverStats] = {}
-        # check_every != 1: device counters since the last read_deferred() (not in checkpoints, like z_cache)
+        # check_every != 1: device counters since the last read_deferred() (not in checkpoints)
         self._pending: dict[str, torch.Tensor] = {}
         # [IFT backward solves, those that missed ift_tol] since construction, on the device (ift_failure_fraction)
         self.ift_counts: torch.Tensor | None = None
-        # Plain data, never in checkpoints; every process (DDP rank) keeps its own. Not a buffer: the set of a
-        # module's buffers must not change when a forward fills the cache (weight averaging pairs buffers by order).
+        # Plain data, outside the state dict (warm_starts() saves them); every process (DDP rank) keeps its own. Not
+        # a buffer: the set of a module's buffers must not change when a forward fills the cache (weight averaging
+        # pairs buffers by order).
         self.z_cache: torch.Tensor | None = None
         self.adjoint_cache: dict[int, torch.Tensor] = {}  # warm starts of the adjoint solves, per level
 
@@ -163,15 +164,27 @@ class DEQ(nn.Module):
             + (f", check_every={self.check_every}" if self.check_every != 1 else "")
         )
 
+    def warm_starts(self) -> dict[str, torch.Tensor]:
+        """The solver starts this layer carries from one call to the next: its last fixed point (``"z"``) and its
+        adjoint solves' last solutions (``"adjoint_<level>"``). A training resumed with them (:meth:`load_warm_starts`)
+        continues exactly as if it had not stopped."""
+        starts = {} if self.z_cache is None else {"z": self.z_cache}
+        return starts | {f"adjoint_{level}": w for level, w in self.adjoint_cache.items()}
+
+    def load_warm_starts(self, starts: dict[str, torch.Tensor]) -> None:
+        """Carry on from :meth:`warm_starts` (each moved to the device of the call that first uses it)."""
+        self.z_cache = starts.get("z")
+        self.adjoint_cache = {int(key.removeprefix("adjoint_")): w for key, w in starts.items()
+                              if key.startswith("adjoint_")}
+
     def _start(self, u: torch.Tensor, z0: torch.Tensor | None) -> torch.Tensor:
         if z0 is not None:
             return z0.detach()
         cache = self.z_cache
-        reusable = cache is not None and cache.shape == u.shape and cache.device == u.device
-        if not (self._warm and reusable):
+        if not (self._warm and cache is not None and cache.shape == u.shape):
             return torch.zeros_like(u)
         # a cache from a half-precision (autocast) step used outside autocast: in the input's dtype (a no-op else)
-        return cache if torch.is_autocast_enabled(u.device.type) else cache.to(u.dtype)
+        return cache.to(u.device) if torch.is_autocast_enabled(u.device.type) else cache.to(u.device, u.dtype)
 
     @property
     def _warm(self) -> bool:
@@ -306,8 +319,8 @@ class DEQ(nn.Module):
         if level == 0:
             return self._run_solver(solver, step, start if start is not None else torch.zeros_like(like))
         cache = self.adjoint_cache.get(level)
-        warm = self.warm_start and cache is not None and cache.shape == like.shape and cache.device == like.device
-        w0 = cache.to(like.dtype) if warm else torch.zeros_like(like)
+        warm = self.warm_start and cache is not None and cache.shape == like.shape
+        w0 = cache.to(like.device, like.dtype) if warm else torch.zeros_like(like)
         extra = {} if self.check_every == 1 else {"check_every": self.check_every}
         w, stats = solver(step, w0, tol=self.tol, max_iter=self.max_iter, stop_mode="rel",
                           per_sample=self.per_sample, **extra)
@@ -388,6 +401,22 @@ class DEQ(nn.Module):
         self._count("backward_failures", ~done)
         self._count_ift(~done)
         return g
+
+
+def set_aside_warm_starts(module: nn.Module) -> list[tuple[DEQ, dict[str, torch.Tensor]]]:
+    """Empty the warm starts of every DEQ layer in ``module`` (:meth:`DEQ.warm_starts`), returning them for
+    :func:`restore_warm_starts`: an evaluation or a sampler between training steps starts cold and leaves the
+    training's starts as it found them."""
+    kept = [(layer, layer.warm_starts()) for layer in module.modules() if isinstance(layer, DEQ)]
+    for layer, _ in kept:
+        layer.load_warm_starts({})
+    return kept
+
+
+def restore_warm_starts(kept: list[tuple[DEQ, dict[str, torch.Tensor]]]) -> None:
+    """Give back the warm starts :func:`set_aside_warm_starts` took."""
+    for layer, starts in kept:
+        layer.load_warm_starts(starts)
 
 
 @contextmanager

@@ -53,7 +53,7 @@ import torch
 from ..data.points import Whitening
 from ..data.protocol import ImageData
 from ..data.transforms import ImageCodec
-from ..deq import DEQ
+from ..deq import DEQ, restore_warm_starts, set_aside_warm_starts
 from ..errors import ConfigError
 from ..families import declarations
 from ..finite import DeferredChecks, deferred_checks
@@ -61,7 +61,7 @@ from ..losses import Loss
 from ..privates import attached_trainer
 from ..sampling.cost import counting_cost
 from .nonfinite import NonFiniteStops
-from .run_hooks import ClosingStage, ResumeFixes, RunFacts, StepSeeding, batch_inputs
+from .run_hooks import ClosingStage, EvaluationApart, ResumeFixes, RunFacts, StepSeeding, batch_inputs
 
 FAMILY_KEY = "deqscore_family"
 CODEC_KEY = "deqscore_image_codec"
@@ -151,7 +151,7 @@ class ScoreModule(NonFiniteStops, pl.LightningModule):
     closing_stage: Callable[[Any], None] | None = None  # a stage after fit, see the module docstring
 
     def configure_callbacks(self) -> list[pl.Callback]:
-        return [StepSeeding(), ResumeFixes(), RunFacts(), ClosingStage()]
+        return [StepSeeding(), EvaluationApart(), ResumeFixes(), RunFacts(), ClosingStage()]
 
     # ----- samples as images -------------------------------------------------------------------------
     def datamodule(self) -> Any:
@@ -200,20 +200,23 @@ class ScoreModule(NonFiniteStops, pl.LightningModule):
 
     @contextmanager
     def sampling_mode(self, warm: bool | None = None) -> Iterator[None]:
-        """The network in eval mode and, unless ``warm`` is None, every DEQ layer's warm start set to ``warm`` from an
-        empty cache (a sampler's consecutive evaluations move x a little); all restored on exit."""
+        """The network in eval mode, every DEQ layer from empty warm starts (the training's set aside and given back
+        on exit: sampling never moves them) and, unless ``warm`` is None, its warm start set to ``warm`` (a
+        sampler's consecutive evaluations move x a little); all restored on exit."""
         was_training = self.net.training
         layers = [] if warm is None else self.deq_layers()
-        saved = [(d.warm_start, d.z_cache) for d in layers]
+        flags = [d.warm_start for d in layers]
         self.net.eval()
+        kept = set_aside_warm_starts(self)
         for d in layers:
-            d.warm_start, d.z_cache = warm, None
+            d.warm_start = warm
         try:
             yield
         finally:
             self.net.train(was_training)
-            for d, (warm_start, cache) in zip(layers, saved, strict=True):
-                d.warm_start, d.z_cache = warm_start, cache
+            restore_warm_starts(kept)
+            for d, flag in zip(layers, flags, strict=True):
+                d.warm_start = flag
 
     def sampling_cost(self, n: int = 16, seed: int = 0) -> dict[str, float]:
         """Network evaluations per sample and DEQ solver iterations per evaluation (summed over the DEQ layers),

@@ -97,4 +97,5 @@ class NICEModule(ScoreModule):
     @torch.no_grad()
     def sample(self, n: int) -> torch.Tensor:
         """``n`` samples ``[n, dim]`` in the model's (logit) space, by inverting the flow."""
-        return self.net.sample(n)
+        with self.sampling_mode():
+            return self.net.sample(n)

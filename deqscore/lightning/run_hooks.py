@@ -3,6 +3,7 @@ family implements its model and nothing of this machinery:
 
 * :class:`StepSeeding`: the random draws of a step (projections, noise, binarisation) depend on the step alone,
   so a resumed run repeats an uninterrupted one exactly;
+* :class:`EvaluationApart`: evaluation neither starts from nor moves the training's DEQ warm starts;
 * :class:`ResumeFixes`: a resumed run continues as if it had not stopped (finished epochs, per-epoch data noise,
   checkpoint callbacks of a run directory that was moved or copied since);
 * :class:`RunFacts`: once per run, the parameter count and the activation memory of one training step;
@@ -26,6 +27,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.utilities import rank_zero_info
 
 from ..data.protocol import EpochData
+from ..deq import DEQ, restore_warm_starts, set_aside_warm_starts
 from ..errors import ConfigError
 from ..losses import Loss
 from ..metrics import parameter_count, step_activation_bytes
@@ -68,6 +70,32 @@ class StepSeeding(pl.Callback):
         reseed(module, -2)
 
 
+class EvaluationApart(pl.Callback):
+    """A validation or test starts its DEQ layers from empty warm starts and gives the training's back at its end:
+    the training's numbers do not depend on when it is evaluated, and a checkpoint written by a validation holds the
+    training's starts (:class:`ResumeFixes`)."""
+
+    def __init__(self) -> None:
+        self._kept: list = []
+
+    def on_validation_epoch_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self._kept = set_aside_warm_starts(module)
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        restore_warm_starts(self._kept)
+        self._kept = []
+
+    on_test_epoch_start = on_validation_epoch_start
+    on_test_epoch_end = on_validation_epoch_end
+
+
+WARM_STARTS_KEY = "deqscore_deq_warm_starts"  # in a checkpoint: each DEQ layer's solver starts, by module name
+
+
+def _deq_layers(module: pl.LightningModule) -> list[tuple[str, DEQ]]:
+    return [(name, layer) for name, layer in module.named_modules() if isinstance(layer, DEQ)]
+
+
 class ResumeFixes(pl.Callback):
     """A resumed run continues as an uninterrupted one: an epoch that finished before the checkpoint is not
     replayed (:func:`~deqscore.privates.complete_finished_epoch`), one cut short by the run's budget is
@@ -78,7 +106,8 @@ class ResumeFixes(pl.Callback):
 
     A run that ends mid-epoch (at ``max_steps``) writes ``last.ckpt`` at its last step (Lightning would keep the last
     epoch's end when it wrote one before). Every checkpoint records the step a resume from it logs at
-    (:func:`~deqscore.privates.next_log_step`), where the resume truncates the run's log."""
+    (:func:`~deqscore.privates.next_log_step`), where the resume truncates the run's log, and the warm starts of
+    its DEQ layers (:meth:`~deqscore.deq.DEQ.warm_starts`; one process's only: a DDP run resumes them cold)."""
 
     def __init__(self) -> None:
         self._resumed_after_epoch = False
@@ -88,12 +117,18 @@ class ResumeFixes(pl.Callback):
         self._resumed_after_epoch = complete_finished_epoch(checkpoint)
         reopen_cut_epoch(checkpoint)
         relocate_checkpoint_states(trainer, checkpoint)
+        if trainer.world_size == 1:
+            saved = checkpoint.get(WARM_STARTS_KEY, {})
+            for name, layer in _deq_layers(module):
+                layer.load_warm_starts(saved.get(name, {}))
         if "optimizer_states" in checkpoint:
             self._saved_optimizers = len(checkpoint["optimizer_states"])
 
     def on_save_checkpoint(self, trainer: pl.Trainer, module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         # the loop state alone cannot tell a save by a validation at a batch's end from one after the batch counted
         checkpoint[LOG_STEP_KEY] = next_log_step(trainer)
+        if trainer.world_size == 1:  # every DDP rank keeps its own, and one rank's checkpoint is written
+            checkpoint[WARM_STARTS_KEY] = {name: layer.warm_starts() for name, layer in _deq_layers(module)}
 
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         self._set_data_epoch(trainer)  # a resume in the middle of an epoch gets no on_train_epoch_start

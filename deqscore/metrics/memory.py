@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch._C._functorch import is_functorch_wrapped_tensor
 
+from ..deq import restore_warm_starts, set_aside_warm_starts
+
 
 def _storage_key(t: torch.Tensor) -> tuple:
     try:
@@ -94,12 +96,14 @@ class SavedTensorMeter:
 def step_activation_bytes(step: Callable[[], Any], module: torch.nn.Module) -> int:
     """Bytes saved for backward by ``step()`` (a training step's forward and backward) of ``module``'s
     parameters excluded, leaving no trace: the RNG is forked, buffers (batch-norm statistics) and gradients are
-    restored, so the measured step does not change the run (nor make a resumed run, which measures again, differ)."""
+    restored, and DEQ layers solve from empty warm starts and get theirs back, so the measured step does not change
+    the run (nor make a resumed run, which measures again, differ)."""
     params = list(module.parameters())
     grads = [p.grad for p in params]
     buffers = {name: b.clone() for name, b in module.named_buffers()}
     for p in params:
         p.grad = None
+    warm_starts = set_aside_warm_starts(module)
     try:
         with torch.random.fork_rng(), SavedTensorMeter(exclude=params) as meter, torch.enable_grad():
             step()
@@ -109,6 +113,7 @@ def step_activation_bytes(step: Callable[[], Any], module: torch.nn.Module) -> i
                 b.copy_(buffers[name])
         for p, g in zip(params, grads, strict=True):
             p.grad = g
+        restore_warm_starts(warm_starts)
     return meter.bytes
 
 

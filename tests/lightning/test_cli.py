@@ -174,11 +174,9 @@ def test_resume_continues_exactly(tmp_path, config, extra):
                     "--ckpt_path", str(run / "checkpoints" / "last.ckpt")])
     assert resumed.trainer.global_step == straight.trainer.global_step == 2 * first.trainer.global_step
     a, b = straight.model.state_dict(), resumed.model.state_dict()
-    # DEQ warm starts differ after a resume (the cache is not saved), which moves the result within the solver
-    # tolerance; explicit networks must match to float rounding.
-    tol = 1e-6 if "explicit" in config.name else 1e-3
+    # bit for bit, DEQs too: their warm starts travel in the checkpoint, outside the state dict
     for key in a:
-        assert torch.allclose(a[key], b[key], rtol=tol, atol=tol), key
+        assert torch.equal(a[key], b[key]), key
     # every optimiser (the VAE has two) continues its state
     assert len(straight.trainer.optimizers) == len(resumed.trainer.optimizers)
     for opt_a, opt_b in zip(straight.trainer.optimizers, resumed.trainer.optimizers, strict=True):
@@ -186,15 +184,13 @@ def test_resume_continues_exactly(tmp_path, config, extra):
         assert state_a.keys() == state_b.keys()
         for i in state_a:
             for key, value in state_a[i].items():
-                assert torch.allclose(torch.as_tensor(value), torch.as_tensor(state_b[i][key]), rtol=tol, atol=tol)
-    la = straight.trainer.callback_metrics["train/loss"]
-    lb = resumed.trainer.callback_metrics["train/loss"]
-    assert torch.allclose(la, lb, rtol=tol)
-    # the resumed run's CSV log keeps the first epoch's rows and continues them
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(state_b[i][key]))
+    # the resumed run's CSV log keeps the first epoch's rows and continues them, every value as logged straight
     from deqscore.lightning.callbacks import read_metrics_csv
 
-    steps = [s for s, _ in read_metrics_csv(run / "metrics.csv")["train/loss"]]
-    assert steps == [s for s, _ in read_metrics_csv(tmp_path / "straight" / "metrics.csv")["train/loss"]]
+    losses = read_metrics_csv(run / "metrics.csv")["train/loss"]
+    assert losses == read_metrics_csv(tmp_path / "straight" / "metrics.csv")["train/loss"]
+    steps = [s for s, _ in losses]
     assert steps == sorted(set(steps)) and steps[0] == 0  # no batch logged twice by a replayed epoch end
 
 
@@ -229,6 +225,7 @@ def _logged_rows(run_dir):
 @pytest.mark.parametrize(("config", "every", "cut", "steps_per_batch"), [
     ("configs/nice/explicit.yaml", 2, 4, 1),  # last.ckpt written by a validation in the middle of an epoch
     ("configs/nice/explicit.yaml", 4, 8, 1),  # ... by a validation at an epoch's last batch (8 batches an epoch)
+    ("configs/nice/deq.yaml", 2, 4, 1),  # a warm-starting DEQ: its starts are saved, and evaluations leave them
     ("configs/vae/deq_mnist.yaml", 2, 4, 3)])  # a batch: the score net's 2 updates, the VAE's 1
 def test_a_run_resumed_from_a_checkpoint_written_by_a_validation_logs_as_an_uninterrupted_one(tmp_path, config,
                                                                                             every, cut,
@@ -248,6 +245,25 @@ def test_a_run_resumed_from_a_checkpoint_written_by_a_validation_logs_as_an_unin
     assert str(cut - 1) in {step for step, _, val in straight if val}  # a validation at the checkpoint's step
     assert len({step for step, loss, _ in straight if loss}) == cut + 4
     assert _logged_rows(tmp_path / "cut") == straight
+
+
+def test_a_deq_trains_the_same_whenever_it_is_validated(tmp_path):
+    """Validation starts its DEQ layers cold and hands the training's warm starts back: a warm-starting DEQ
+    validated every 2 steps trains as the same run never validated, bit for bit (its solves too: their iteration
+    counts and residuals, which a warm start from a validation batch would move)."""
+    from deqscore.lightning.callbacks import read_metrics_csv
+
+    def run(name, *extra):
+        main(["fit", *tiny_args(tmp_path, "configs/nice/deq.yaml", name), "--data.init_args.train_subset", "128",
+              "--trainer.max_steps", "6", "--trainer.max_epochs", "-1", *extra])
+        log = read_metrics_csv(tmp_path / name / "metrics.csv")
+        weights = torch.load(tmp_path / name / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+        return {k: log[k] for k in ("train/loss", "train/deq/nstep", "train/deq/abs_residual")}, weights
+
+    validated, a = run("validated", "--trainer.val_check_interval", "2", "--trainer.check_val_every_n_epoch", "null")
+    never, b = run("never", "--trainer.limit_val_batches", "0")
+    assert len(validated["train/loss"]) == 6 and validated == never
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _nice_module(loss="ssm", deq=None, **net):
