@@ -10,9 +10,11 @@ rank 0 was lost. A rank that is alive but stuck makes the others wait until the 
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +72,19 @@ def transport_text(err: BaseException, budget: int = 240) -> str:
             break
         kept += " " + sentence
     return kept
+
+
+def parent_lost(parent_pid: int, wait_s: float = 2.0) -> bool:
+    """Whether this process's parent ``parent_pid`` has died: it has been given another parent. A killed parent
+    closes its sockets before its children are given another one, so a collective can fail on its death a moment
+    before :func:`os.getppid` shows it: wait up to ``wait_s`` for the change (a live parent costs that wait once,
+    on an error that ends the run anyway)."""
+    deadline = time.monotonic() + wait_s
+    while os.getppid() == parent_pid:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def lost_rank_message(err: BaseException, strategy: Any, launcher_lost: bool, timeout_s: float,

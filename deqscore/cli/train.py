@@ -55,7 +55,7 @@ from ..privates import LightningCLIHooks, set_process_group_timeout
 from .checkpoints import check_checkpoint, checkpoint_conflicts, place_in_checkpoint_run
 from .errors import UsageError, print_error, usage_error
 from .parser_errors import explain_refusal
-from .ranks import LostRankError, is_lost_peer, leave_process_group, lost_rank_message
+from .ranks import LostRankError, is_lost_peer, leave_process_group, lost_rank_message, parent_lost
 from .signals import StopSignals
 from .trainer_options import check_trainer_options
 
@@ -218,7 +218,7 @@ class DeqscoreCLI(LightningCLIHooks):
             if not (strategy.world_size > 1 and is_lost_peer(err)):
                 raise
             cfg = self.config[subcommand]
-            launcher_lost = launch_rank() != 0 and os.getppid() != self._launcher_pid
+            launcher_lost = launch_rank() != 0 and parent_lost(self._launcher_pid)
             resume = resume_checkpoint(Path(cfg.runs_root) / cfg.run_name)
             message = lost_rank_message(err, strategy, launcher_lost, cfg.process_group_timeout, resume)
             raise LostRankError(message or "") from err

@@ -323,3 +323,27 @@ def test_the_lost_rank_message_keeps_the_transports_sentences_whole():
     # a run that had saved no checkpoint is not sent to one
     message = lost_rank_message(RuntimeError(GLOO_RESET), strategy, False, 1800.0, None)
     assert ".ckpt" not in message and "saved no checkpoint yet" in message
+
+
+def test_a_parent_is_lost_only_once_this_process_has_another():
+    """A worker reads its launcher's death from its own parent pid, which changes a moment after the launcher's
+    sockets close: it waits for the change, and a live parent is never called lost. Here a real launcher process
+    is killed while its worker waits."""
+    from deqscore.cli.ranks import parent_lost
+
+    started = time.monotonic()
+    assert not parent_lost(os.getppid(), wait_s=0.2) and time.monotonic() - started >= 0.2
+    worker = ("import os, sys; from deqscore.cli.ranks import parent_lost; launcher = os.getppid(); "
+              "print(launcher, flush=True); sys.stdin.readline(); print(parent_lost(launcher, wait_s=5.0), flush=True)")
+    launcher = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {worker!r}]); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", launcher], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert int(proc.stdout.readline()) == proc.pid  # the worker's parent is the launcher
+        proc.kill()
+        proc.wait()
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "True"
+    finally:
+        proc.kill()
