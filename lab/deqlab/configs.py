@@ -23,10 +23,10 @@ import torch
 from pytorch_lightning.cli import instantiate_class
 
 from deqscore.configfiles import load_config
+from deqscore.families import ROOT
 from deqscore.lightning import build_module
 from deqscore.lightning.base import ScoreModule
 
-ROOT = Path(__file__).resolve().parents[2]
 Options = Mapping[str, object]
 NO_OPTIONS: Options = MappingProxyType({})
 

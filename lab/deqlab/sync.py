@@ -40,11 +40,11 @@ import pytorch_lightning as pl
 import torch
 
 import deqscore
+from deqscore.families import ROOT
 
 from .measure import environment
 from .report import Column, Result, ResultFormatError, Table, read_result, section_rows, write_result
 
-ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "sync"
 _PACKAGE = str(Path(deqscore.__file__).resolve().parent)  # the library's own calls count as "deqscore"
 _DATA = str(Path(deqscore.__file__).resolve().parent / "data")

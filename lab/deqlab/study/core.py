@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deqscore.configfiles import composed_text
-from deqscore.families import declarations
+from deqscore.families import ROOT, declarations
 from deqscore.lightning.callbacks import read_metrics_csv
 
 from ..entries import Metric
@@ -32,7 +32,6 @@ from ..units import mean_stderr, recorded
 if TYPE_CHECKING:
     from .protocol import Protocol
 
-ROOT = Path(__file__).resolve().parents[3]
 # files that only write the results page: a change to them leaves every recorded unit as it was
 REPORT_ONLY = tuple(f"lab/deqlab/study/{name}.py" for name in ("report", "tables", "judging", "verdict", "figures"))
 CURVE_POINTS = 60  # points kept of each training curve in a unit file

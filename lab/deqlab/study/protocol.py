@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .core import ROOT
+from deqscore.families import ROOT
 
 PROTOCOL_DIR = ROOT / "benchmarks" / "protocol"
 NOT_GOVERNING = ("version", "fixed", "question", "deviations", "families")  # every other key governs every unit
