@@ -96,6 +96,18 @@ def _deq_layers(module: pl.LightningModule) -> list[tuple[str, DEQ]]:
     return [(name, layer) for name, layer in module.named_modules() if isinstance(layer, DEQ)]
 
 
+def _every_ranks_warm_starts(trainer: pl.Trainer, module: pl.LightningModule) -> list[dict[str, dict]]:
+    """Each process's DEQ warm starts by layer name, in rank order (on the CPU). Every DDP rank keeps its own and
+    one rank writes the checkpoint, so they are gathered; every rank saves a checkpoint together (Lightning's rule)."""
+    mine = {name: {key: start.cpu() for key, start in layer.warm_starts().items()} for name, layer in
+            _deq_layers(module)}
+    if trainer.world_size == 1:
+        return [mine]
+    every: list = [None] * trainer.world_size
+    torch.distributed.all_gather_object(every, mine)
+    return every
+
+
 class ResumeFixes(pl.Callback):
     """A resumed run continues as an uninterrupted one: an epoch that finished before the checkpoint is not
     replayed (:func:`~deqscore.privates.complete_finished_epoch`), one cut short by the run's budget is
@@ -107,7 +119,8 @@ class ResumeFixes(pl.Callback):
     A run that ends mid-epoch (at ``max_steps``) writes ``last.ckpt`` at its last step (Lightning would keep the last
     epoch's end when it wrote one before). Every checkpoint records the step a resume from it logs at
     (:func:`~deqscore.privates.next_log_step`), where the resume truncates the run's log, and the warm starts of
-    its DEQ layers (:meth:`~deqscore.deq.DEQ.warm_starts`; one process's only: a DDP run resumes them cold)."""
+    its DEQ layers in every process (:meth:`~deqscore.deq.DEQ.warm_starts`; a resume with another number of
+    processes starts them cold)."""
 
     def __init__(self) -> None:
         self._resumed_after_epoch = False
@@ -117,18 +130,18 @@ class ResumeFixes(pl.Callback):
         self._resumed_after_epoch = complete_finished_epoch(checkpoint)
         reopen_cut_epoch(checkpoint)
         relocate_checkpoint_states(trainer, checkpoint)
-        if trainer.world_size == 1:
-            saved = checkpoint.get(WARM_STARTS_KEY, {})
-            for name, layer in _deq_layers(module):
-                layer.load_warm_starts(saved.get(name, {}))
+        every_rank = checkpoint.get(WARM_STARTS_KEY)
+        mine = every_rank[trainer.global_rank] if isinstance(every_rank, list) and len(
+            every_rank) == trainer.world_size else {}  # saved with another number of processes: cold starts
+        for name, layer in _deq_layers(module):
+            layer.load_warm_starts(mine.get(name, {}))
         if "optimizer_states" in checkpoint:
             self._saved_optimizers = len(checkpoint["optimizer_states"])
 
     def on_save_checkpoint(self, trainer: pl.Trainer, module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         # the loop state alone cannot tell a save by a validation at a batch's end from one after the batch counted
         checkpoint[LOG_STEP_KEY] = next_log_step(trainer)
-        if trainer.world_size == 1:  # every DDP rank keeps its own, and one rank's checkpoint is written
-            checkpoint[WARM_STARTS_KEY] = {name: layer.warm_starts() for name, layer in _deq_layers(module)}
+        checkpoint[WARM_STARTS_KEY] = _every_ranks_warm_starts(trainer, module)
 
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         self._set_data_epoch(trainer)  # a resume in the middle of an epoch gets no on_train_epoch_start

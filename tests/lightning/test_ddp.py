@@ -237,8 +237,9 @@ def _errors(stderr):
 
 def test_a_killed_rank_is_named_and_the_run_resumes_exactly(tmp_path):
     """kill -9 of rank 1 mid-training: rank 0 stops within seconds with one line naming rank 1; the run resumes
-    from its last checkpoint to the weights of an uninterrupted run."""
-    fit = ["train.py", "fit", *tiny_args(tmp_path, "configs/nice/explicit.yaml", "killed"), *DDP_CPU]
+    from its last checkpoint to the weights of an uninterrupted run, bit for bit (a warm-starting DEQ: each rank's
+    warm starts travel in the checkpoint)."""
+    fit = ["train.py", "fit", *tiny_args(tmp_path, "configs/nice/deq.yaml", "killed"), *DDP_CPU]
     proc = _start([*fit, "--trainer.max_steps", "100000"])
     run = tmp_path / "killed"
     err, seconds = _kill_after_first_checkpoint(proc, run, _child_pid)
@@ -250,7 +251,7 @@ def test_a_killed_rank_is_named_and_the_run_resumes_exactly(tmp_path):
     target = ["--trainer.max_steps", str(step + 4)]
     _run(["train.py", "fit", "--config", str(run / "config.yaml"), "--ckpt_path",
           str(run / "checkpoints" / "last.ckpt"), *target])
-    _run(["train.py", "fit", *tiny_args(tmp_path, "configs/nice/explicit.yaml", "straight"), *DDP_CPU, *target])
+    _run(["train.py", "fit", *tiny_args(tmp_path, "configs/nice/deq.yaml", "straight"), *DDP_CPU, *target])
     resumed = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
     straight = torch.load(tmp_path / "straight" / "checkpoints" / "last.ckpt", weights_only=False)
     assert resumed["global_step"] == straight["global_step"] == step + 4
