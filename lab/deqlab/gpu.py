@@ -38,7 +38,7 @@ PROG = "python -m deqlab gpu"
 DEFAULT_OUT = "benchmarks/results/gpu"
 
 STEPS = {"full": StepPlan("full", repeats=10, backend="inductor", budget_s=90.0),
-         "quick": StepPlan("quick", repeats=2, backend="eager", budget_s=15.0)}
+         "quick": StepPlan("quick", repeats=2, backend="eager", budget_s=6.0)}
 IMAGES = {
     "full": ImagePlan(quick=False, train_s={"explicit": 55.0, "DEQ": 80.0}, max_steps=20_000, sample_s=35.0,
                       samples=500, min_samples=100, reference=10_000),
