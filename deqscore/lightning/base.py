@@ -61,7 +61,7 @@ from ..losses import Loss
 from ..privates import attached_trainer
 from ..sampling.cost import counting_cost
 from .nonfinite import NonFiniteStops
-from .run_hooks import ClosingStage, EvaluationApart, ResumeFixes, RunFacts, StepSeeding, batch_inputs
+from .run_hooks import ClosingStage, ResumeFixes, RunFacts, StepSeeding, TrainingWarmStarts, batch_inputs
 
 FAMILY_KEY = "deqscore_family"
 CODEC_KEY = "deqscore_image_codec"
@@ -151,7 +151,7 @@ class ScoreModule(NonFiniteStops, pl.LightningModule):
     closing_stage: Callable[[Any], None] | None = None  # a stage after fit, see the module docstring
 
     def configure_callbacks(self) -> list[pl.Callback]:
-        return [StepSeeding(), EvaluationApart(), ResumeFixes(), RunFacts(), ClosingStage()]
+        return [StepSeeding(), TrainingWarmStarts(), ResumeFixes(), RunFacts(), ClosingStage()]
 
     # ----- samples as images -------------------------------------------------------------------------
     def datamodule(self) -> Any:

@@ -3,7 +3,8 @@ family implements its model and nothing of this machinery:
 
 * :class:`StepSeeding`: the random draws of a step (projections, noise, binarisation) depend on the step alone,
   so a resumed run repeats an uninterrupted one exactly;
-* :class:`EvaluationApart`: evaluation neither starts from nor moves the training's DEQ warm starts;
+* :class:`TrainingWarmStarts`: evaluation neither starts from nor moves the training's DEQ warm starts, and
+  checkpoints carry them;
 * :class:`ResumeFixes`: a resumed run continues as if it had not stopped (finished epochs, per-epoch data noise,
   checkpoint callbacks of a run directory that was moved or copied since);
 * :class:`RunFacts`: once per run, the parameter count and the activation memory of one training step;
@@ -70,42 +71,62 @@ class StepSeeding(pl.Callback):
         reseed(module, -2)
 
 
-class EvaluationApart(pl.Callback):
-    """A validation or test starts its DEQ layers from empty warm starts and gives the training's back at its end:
-    the training's numbers do not depend on when it is evaluated, and a checkpoint written by a validation holds the
-    training's starts (:class:`ResumeFixes`)."""
+WARM_STARTS_KEY = "deqscore_deq_warm_starts"  # in a checkpoint: every rank's DEQ warm starts, by layer name
+
+
+def _named_deq_layers(module: pl.LightningModule) -> list[tuple[str, DEQ]]:
+    return [(name, layer) for name, layer in module.named_modules() if isinstance(layer, DEQ)]
+
+
+class TrainingWarmStarts(pl.Callback):
+    """The training's DEQ warm starts (:meth:`~deqscore.deq.DEQ.warm_starts`), kept apart and kept. A validation or
+    test starts its layers from empty warm starts and gives the training's back at its end, so the training's numbers
+    do not depend on when it is evaluated. Every checkpoint carries the training's (those set aside, when it is
+    written during an evaluation), every DDP rank's, and a resume takes them back: cold with another number of
+    processes, or from a save that followed an exception (perhaps one process's alone: no collective is risked)."""
 
     def __init__(self) -> None:
-        self._kept: list = []
+        self._kept: list | None = None  # the training's, while an evaluation runs
 
     def on_validation_epoch_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        self._kept = set_aside_warm_starts(module)
+        left = set_aside_warm_starts(module)
+        if self._kept is None:  # else an evaluation that failed still holds the training's; what it left goes
+            self._kept = left
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        restore_warm_starts(self._kept)
-        self._kept = []
+        restore_warm_starts(self._kept or [])
+        self._kept = None
 
     on_test_epoch_start = on_validation_epoch_start
     on_test_epoch_end = on_validation_epoch_end
 
+    def on_save_checkpoint(self, trainer: pl.Trainer, module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        held = {id(layer): starts for layer, starts in self._kept or []}
+        mine = {name: {key: start.cpu() for key, start in held.get(id(layer), layer.warm_starts()).items()}
+                for name, layer in _named_deq_layers(module)}
+        checkpoint[WARM_STARTS_KEY] = self._every_rank(trainer, mine)
 
-WARM_STARTS_KEY = "deqscore_deq_warm_starts"  # in a checkpoint: each DEQ layer's solver starts, by module name
+    def on_load_checkpoint(self, trainer: pl.Trainer, module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        every_rank = checkpoint.get(WARM_STARTS_KEY)
+        mine = every_rank[trainer.global_rank] if isinstance(every_rank, list) and len(
+            every_rank) == trainer.world_size else {}
+        for name, layer in _named_deq_layers(module):
+            layer.load_warm_starts(mine.get(name, {}))
 
-
-def _deq_layers(module: pl.LightningModule) -> list[tuple[str, DEQ]]:
-    return [(name, layer) for name, layer in module.named_modules() if isinstance(layer, DEQ)]
-
-
-def _every_ranks_warm_starts(trainer: pl.Trainer, module: pl.LightningModule) -> list[dict[str, dict]]:
-    """Each process's DEQ warm starts by layer name, in rank order (on the CPU). Every DDP rank keeps its own and
-    one rank writes the checkpoint, so they are gathered; every rank saves a checkpoint together (Lightning's rule)."""
-    mine = {name: {key: start.cpu() for key, start in layer.warm_starts().items()} for name, layer in
-            _deq_layers(module)}
-    if trainer.world_size == 1:
-        return [mine]
-    every: list = [None] * trainer.world_size
-    torch.distributed.all_gather_object(every, mine)
-    return every
+    @staticmethod
+    def _every_rank(trainer: pl.Trainer, mine: dict[str, dict]) -> list[dict[str, dict]] | None:
+        """``mine`` of every rank in rank order, on the rank that writes the checkpoint (rank 0; None elsewhere and
+        where they cannot be gathered: the checkpoint is written all the same, and resumes them cold)."""
+        if trainer.world_size == 1:
+            return [mine]
+        if trainer.interrupted:  # a save from an exception's hooks may be this process's alone
+            return None
+        every: list | None = [None] * trainer.world_size if trainer.global_rank == 0 else None
+        try:
+            torch.distributed.gather_object(mine, every, dst=0)
+        except (RuntimeError, torch.distributed.DistError):  # a peer lost: its error comes at the save's barrier
+            return None
+        return every
 
 
 class ResumeFixes(pl.Callback):
@@ -118,9 +139,8 @@ class ResumeFixes(pl.Callback):
 
     A run that ends mid-epoch (at ``max_steps``) writes ``last.ckpt`` at its last step (Lightning would keep the last
     epoch's end when it wrote one before). Every checkpoint records the step a resume from it logs at
-    (:func:`~deqscore.privates.next_log_step`), where the resume truncates the run's log, and the warm starts of
-    its DEQ layers in every process (:meth:`~deqscore.deq.DEQ.warm_starts`; a resume with another number of
-    processes starts them cold)."""
+    (:func:`~deqscore.privates.next_log_step`), where the resume truncates the run's log (the DEQ warm starts:
+    :class:`TrainingWarmStarts`)."""
 
     def __init__(self) -> None:
         self._resumed_after_epoch = False
@@ -130,18 +150,12 @@ class ResumeFixes(pl.Callback):
         self._resumed_after_epoch = complete_finished_epoch(checkpoint)
         reopen_cut_epoch(checkpoint)
         relocate_checkpoint_states(trainer, checkpoint)
-        every_rank = checkpoint.get(WARM_STARTS_KEY)
-        mine = every_rank[trainer.global_rank] if isinstance(every_rank, list) and len(
-            every_rank) == trainer.world_size else {}  # saved with another number of processes: cold starts
-        for name, layer in _deq_layers(module):
-            layer.load_warm_starts(mine.get(name, {}))
         if "optimizer_states" in checkpoint:
             self._saved_optimizers = len(checkpoint["optimizer_states"])
 
     def on_save_checkpoint(self, trainer: pl.Trainer, module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         # the loop state alone cannot tell a save by a validation at a batch's end from one after the batch counted
         checkpoint[LOG_STEP_KEY] = next_log_step(trainer)
-        checkpoint[WARM_STARTS_KEY] = _every_ranks_warm_starts(trainer, module)
 
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         self._set_data_epoch(trainer)  # a resume in the middle of an epoch gets no on_train_epoch_start

@@ -266,6 +266,35 @@ def test_a_deq_trains_the_same_whenever_it_is_validated(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_checkpoint_written_during_an_evaluation_holds_the_trainings_warm_starts():
+    """A save inside a validation (a Ctrl-C in its batch, a save on an exception) writes the warm starts the
+    training left, not the validation's; a validation started again after one that failed keeps them too."""
+    from types import SimpleNamespace
+
+    from deqscore.deq import DEQ
+    from deqscore.lightning.run_hooks import WARM_STARTS_KEY, TrainingWarmStarts
+
+    from ..deq.helpers import TanhMap
+
+    module = torch.nn.Module()
+    module.deq = DEQ(TanhMap(4), solver="picard", tol=1e-10, max_iter=200, warm_start=True)
+    trainer = SimpleNamespace(world_size=1, global_rank=0)
+    module.deq(torch.randn(3, 4, dtype=torch.float64))
+    training = module.deq.z_cache
+    callback = TrainingWarmStarts()
+    for _ in range(2):  # the second: a validation started again after one that never reached its end
+        callback.on_validation_epoch_start(trainer, module)
+        assert module.deq.z_cache is None  # the validation starts cold
+        module.deq(torch.randn(3, 4, dtype=torch.float64))
+        saved = {}
+        callback.on_save_checkpoint(trainer, module, saved)
+        assert torch.equal(saved[WARM_STARTS_KEY][0]["deq"]["z"], training)
+    callback.on_validation_epoch_end(trainer, module)
+    assert module.deq.z_cache is training
+    # a DDP save from an exception's hooks may be one process's alone: no gather, the file is written without them
+    assert TrainingWarmStarts._every_rank(SimpleNamespace(world_size=2, global_rank=0, interrupted=True), {}) is None
+
+
 def _nice_module(loss="ssm", deq=None, **net):
     """A NICEModule built from its config (as the CLI does); ``deq``: DEQ options (a DEQ m-net)."""
     net = {"dim": 8, "hidden": 12, "n_layers": 3, "n_couplings": 2, **net}
