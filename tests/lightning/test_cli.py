@@ -293,6 +293,28 @@ def test_a_checkpoint_written_during_an_evaluation_holds_the_trainings_warm_star
     assert module.deq.z_cache is training
     # a DDP save from an exception's hooks may be one process's alone: no gather, the file is written without them
     assert TrainingWarmStarts._every_rank(SimpleNamespace(world_size=2, global_rank=0, interrupted=True), {}) is None
+    # a resume takes its own rank's back; with another number of processes, or from a checkpoint without any, cold
+    other = torch.ones(3, 4, dtype=torch.float64)
+    for ranks, saved, expected in ((1, [{"deq": {"z": other}}], other), (2, [{"deq": {"z": other}}], None),
+                                   (1, None, None)):
+        module.deq.load_warm_starts({"z": training})
+        callback.on_load_checkpoint(SimpleNamespace(world_size=ranks, global_rank=0), module, {WARM_STARTS_KEY: saved})
+        assert module.deq.z_cache is expected
+
+
+def test_a_checkpoint_without_a_recorded_log_step_reads_it_from_its_loop_state():
+    """Checkpoints written before the log step was recorded: Lightning's count of stepping batches, plus the batch a
+    save at a batch's end has not counted yet."""
+    from deqscore.lightning.runs import LOG_STEP_KEY, checkpoint_log_step
+
+    def saved(stepped, completed, processed):
+        progress = {"ready": processed, "started": processed, "processed": processed, "completed": completed}
+        return {"loops": {"fit_loop": {"epoch_loop.state_dict": {"_batches_that_stepped": stepped},
+                                       "epoch_loop.batch_progress": {"total": progress}}}}
+
+    assert checkpoint_log_step(saved(5, 5, 5)) == 5  # after the count
+    assert checkpoint_log_step(saved(5, 5, 6)) == 6  # in a batch's end hooks
+    assert checkpoint_log_step({**saved(5, 5, 5), LOG_STEP_KEY: 6}) == 6  # recorded: taken as it is
 
 
 def _nice_module(loss="ssm", deq=None, **net):
