@@ -25,7 +25,7 @@ from deqlab.report import (
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 # per-unit files keep their own format (deqlab.units.recorded, the study's units): not summaries
-UNIT_FOLDERS = {"units", "depth_units", "study", "study_v1", "study_v3", "tuning", "reruns"}
+UNIT_FOLDERS = {"units", "depth_units", "study", "study_v1", "tuning", "reruns"}
 PILOT = "ncsn_cpu_pilot"  # raw output of one-off pilot scripts kept beside them, no program of the laboratory
 
 

@@ -5,6 +5,7 @@ import functools
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch
 from deqlab import main
 from deqlab.entries import STUDIES
 from deqlab.measure import code_version
-from deqlab.study import core, judging, protocol
+from deqlab.study import core, judging, protocol, tables
 from deqlab.study import report as report_module
 from deqlab.study.families import families
 from deqlab.study.report import fmt
@@ -189,6 +190,12 @@ def test_the_verdicts_at_the_protocols_margin(tmp_path):
         "fewer than two seeds a side" in text
     assert "| parkinsons | deq | deq | 3 of 5; **missing** 3, 4 |" in text  # a missing seed shown as missing
     assert "| 0.50 |" in text  # the DEQ's memory against the shallow network's
+    assert f"Holm's correction over the {m} comparisons this design defines" in text
+    (tmp_path / "dkef").rename(tmp_path / "aside")  # one unit, no comparison yet: m is still the protocol's
+    write_unit(tmp_path, "dkef", "redwine", "explicit", 0, {"log_likelihood": -1.0, "log_z_ess": 500.0})
+    text = report(tmp_path)
+    assert f"Holm's correction over the {m} comparisons this design defines" in text
+    assert f"| DKEF on UCI data | {V} | – | no comparison yet |" in text  # the summary says so
 
 
 def test_a_seed_outside_the_protocol_is_refused_by_name(tmp_path, capsys):
@@ -358,6 +365,53 @@ def test_a_carried_unit_is_read_back_not_run_again_and_shares_its_table(tmp_path
         run(core.UnitSettings(later, *settings), facts={"code": code})
     designs = report_module.load_units(out, family, later)
     assert [u["seed"] for u in designs[later.version][1]] == [0, 1] and designs[later.version][2] == 0
+
+
+def test_a_unit_of_an_earlier_design_is_kept_beside_the_one_that_takes_its_place(tmp_path, monkeypatch):
+    """A unit its protocol no longer governs moves, with its sample grid and its rerun, to <group>/v<version>/
+    when a newer design's unit is recorded in its place, and each design is judged on its own units; a unit run
+    again within its design is replaced; a second unit of one design and seed is refused by name."""
+    earlier, later = later_protocol(tmp_path / "protocol", lambda text: text["families"]["vae"].update(budget=2.0))
+    family, code = FAMILIES["vae"], {"commit": "a" * 40, "uncommitted_changes": False}
+    out, group_dir = tmp_path / "out", tmp_path / "out" / "vae" / "mnist"
+
+    def settings_of(stamped):
+        entry = stamped.family("vae")
+        return core.UnitSettings(stamped, entry["budget"], stamped.validations, entry["evaluation"],
+                                 tuple(entry["fit"]))
+
+    write_unit(out, "vae", "mnist", "deq", 0, {"ais_log_likelihood": -100.0})
+    path = core.unit_path(out, "vae", "mnist", "deq", 0)
+    unit = json.loads(path.read_text())
+    value = unit["value"]
+    unit["settings"] = json.loads(json.dumps(settings_of(earlier).recorded_as(family)))
+    path.write_text(json.dumps(unit))
+    path.with_suffix(".png").write_bytes(b"grid")
+    (group_dir / "reruns").mkdir()
+    (group_dir / "reruns" / path.name).write_text(json.dumps(unit | {"value": value | {"metrics": {
+        "ais_log_likelihood": -100.5}}}))
+    monkeypatch.setattr(core, "train_and_evaluate",
+                        lambda *a, **k: value | {"metrics": {"ais_log_likelihood": -90.0}})
+    run = functools.partial(core.run_unit, family, "mnist", "deq", 0, settings_of(later), runs_root=tmp_path,
+                            out=out)
+    assert run(facts={"code": code})["value"]["metrics"]["ais_log_likelihood"] == -90.0
+    kept = group_dir / "v1" / path.name
+    assert json.loads(kept.read_text())["value"]["metrics"]["ais_log_likelihood"] == -100.0
+    assert kept.with_suffix(".png").read_bytes() == b"grid" and not path.with_suffix(".png").exists()
+    assert (group_dir / "v1" / "reruns" / path.name).exists() and not (group_dir / "reruns" / path.name).exists()
+    designs = report_module.load_units(out, family, later)
+    assert {v: [(u["seed"], u["value"]["metrics"]["ais_log_likelihood"]) for u in d[1]]
+            for v, d in designs.items()} == {2: [(0, -90.0)], 1: [(0, -100.0)]}
+    spread = {v: "\n".join(tables.reruns_table(family, family.judged(later), d[1])) for v, d in designs.items()}
+    assert "| -100.0 | -100.5 |" in spread[1] and "no rerun recorded" in spread[2]
+    stale = shutil.copy(group_dir / "v1" / "reruns" / path.name, group_dir / "reruns" / path.name)
+    assert "no rerun recorded" in "\n".join(tables.reruns_table(family, family.judged(later), designs[2][1]))
+    Path(stale).unlink()  # a rerun of the earlier unit, at the newer one's place: not paired with it
+    run(facts={"code": {**code, "commit": "b" * 40}})  # the same design run again (another commit): replaced
+    assert sorted(p.name for p in group_dir.iterdir()) == ["deq_s0.json", "reruns", "v1"]
+    shutil.copytree(group_dir / "v1", group_dir / "v9")  # the earlier unit twice
+    with pytest.raises(protocol.ProtocolError, match="v9/deq_s0.json: a second unit of vae/mnist/deq seed 0"):
+        report_module.load_units(out, family, later)
 
 
 def test_code_is_alike_only_where_the_change_misses_the_familys_code(monkeypatch):

@@ -19,7 +19,8 @@ evaluation of its final weights (see :mod:`deqlab.study.evaluation`), recorded a
 ``<out>/<family>/<data>/<variant>_s<seed>.json``. A unit already recorded with the same settings is read back
 instead of run again, so a study longer than one sitting continues where it stopped (a unit stopped part-way
 continues from its run's checkpoint where its launch is the same, :func:`.core.resumable`); a unit recorded with
-other settings, config, arguments or code of the family is run again and replaced (:func:`.core.run_unit`).
+other settings, config, arguments or code of the family is run again and replaced (:func:`.core.run_unit`); one
+of an earlier design is kept under ``<data>/v<version>/`` and judged apart (:func:`.core.keep_earlier`).
 Units run seed by seed, each seed's variants in the family's order, so an interrupted study has whole seeds of the
 first variants. ``--rerun`` records the named units again under ``<data>/reruns/`` (the page's run-to-run spread).
 ``--extra`` passes arguments to every fit.

@@ -6,7 +6,8 @@ A unit is recorded as ``<out>/<family>/<group>/<variant>_s<seed>.json`` with the
 variant, seed, the device and the settings (the protocol's version and SHA-256, budget, iterations, validations,
 evaluation sizes, fit options, extra arguments); a unit already recorded with the same settings is read back and
 not run again (:func:`deqlab.units.recorded`). Image families also leave the unit's sample grid beside it
-(``<variant>_s<seed>.png``).
+(``<variant>_s<seed>.png``). A unit of an earlier design that a new one replaces is kept, under
+``<out>/<family>/<group>/v<version>/`` (:func:`keep_earlier`).
 """
 
 from __future__ import annotations
@@ -94,6 +95,27 @@ class Family:
 
 def unit_path(out: Path, family: str, group: str, variant: str, seed: int) -> Path:
     return out / family / group / f"{variant}_s{seed}.json"
+
+
+def keep_earlier(path: Path, group_dir: Path, protocol: Protocol) -> None:
+    """Move the unit file at ``path`` under ``group_dir`` (with its sample grid, and a unit's rerun under
+    ``reruns/``) to ``group_dir/v<version>/``, the version it was recorded under, where ``protocol`` does not govern
+    it: a unit of an earlier design is judged on the page beside the newer design's (:func:`.report.load_units`),
+    so the unit that takes its place never overwrites it. A unit of the same design (run again for a changed config
+    or code) is replaced."""
+    moves = []
+    for unit_file in (path, *([group_dir / "reruns" / path.name] if path.parent == group_dir else [])):
+        if not unit_file.exists() or protocol.governs(unit := json.loads(unit_file.read_text())):
+            continue
+        version = (unit["settings"].get("protocol") or {}).get("version")
+        target = group_dir / f"v{version}" / unit_file.relative_to(group_dir)
+        moves += [(p, target.with_suffix(p.suffix)) for p in (unit_file, unit_file.with_suffix(".png")) if p.exists()]
+    for source, kept in moves:
+        if kept.exists():
+            raise FileExistsError(f"{kept}: already holds a unit of that version; {source} would replace it")
+    for source, kept in moves:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        source.rename(kept)
 
 
 @dataclass(frozen=True)
@@ -203,6 +225,7 @@ def run_unit(family: Family, group: str, name: str, seed: int, settings: UnitSet
     names = list(declarations())
 
     def compute() -> dict:
+        keep_earlier(path, out / family.name / group, settings.protocol)
         run_dir = runs_root / family.name / group / (stem if folder is None else f"{folder}/{stem}")
         launch = {"settings": settings.recorded_as(family), "fit": governing, "code": facts.get("code")}
         result = train_and_evaluate(family, name, seed, settings, run_dir, arguments, evaluate=kind != "tuning",

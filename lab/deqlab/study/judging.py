@@ -32,7 +32,15 @@ def variant_of_role(family: Family, role: str) -> str | None:
 
 def check_seeds(design: Protocol, units: list[dict]) -> None:
     """Refuse, by file, a unit whose seed is not among its variant's protocol seeds (an extra seed would move a
-    verdict as surely as a deleted one)."""
+    verdict as surely as a deleted one), and a second unit of one data set, variant and seed (a copy kept among
+    another design's units, :func:`.core.keep_earlier`)."""
+    first: dict[tuple, str] = {}
+    for u in units:
+        other = first.setdefault((u["group"], u["variant"], u["seed"]), u.get("file", u["variant"]))
+        if other != u.get("file", u["variant"]):
+            raise ProtocolError(f"{u.get('file', u['variant'])}: a second unit of {u['family']}/{u['group']}/"
+                                f"{u['variant']} seed {u['seed']} under protocol v{design.version}, beside {other}; "
+                                "keep one")
     foreign = [u for u in units if u["seed"] not in design.seeds(u["family"], u["variant"])]
     if foreign:
         u = foreign[0]

@@ -22,6 +22,7 @@ from .judging import (
     check_seeds,
     comparisons,
     curve_label,
+    defined_comparisons,
     label_text,
     power_text,
     still_improving,
@@ -43,7 +44,8 @@ def load_units(out: Path, family: Family, protocol: Protocol) -> dict[int, tuple
     (an edited protocol file, a later version) or of a seed its design does not list is refused
     (:class:`ProtocolError`, naming the file)."""
     units = []
-    for path in sorted((out / family.name).glob("*/*.json")):
+    folder = out / family.name  # a unit of an earlier design that a newer one replaced: <group>/v<version>/
+    for path in sorted([*folder.glob("*/*.json"), *folder.glob("*/v[0-9]*/*.json")]):
         unit = json.loads(path.read_text())
         if unit["group"] in family.groups and unit["variant"] in family.variants:
             units.append(unit | {"file": str(path)})
@@ -228,15 +230,15 @@ def design_section(family: Family, design: Protocol, rules: Protocol, units: lis
     rows = [comparison_row(c) for c in table]
     alpha = rules.text["rule"]["holm"]["alpha"]
     lines += [f"**The verdicts** ({family.judged(design).label}, margin {margin_text(family, design)}; Holm's "
-              f"correction over the {table[0]['holm_m'] if table else 0} comparisons this design defines, "
+              f"correction over the {len(defined_comparisons(family, design))} comparisons this design defines, "
               f"familywise alpha {alpha}; interim: an arm short of its protocol seeds, not a result):", "",
-              *pipe_table(COMPARISON_HEADER, rows or [no_comparison(why="no comparison recorded yet")]), ""]
+              *pipe_table(COMPARISON_HEADER, rows or [no_comparison(why="no comparison yet")]), ""]
     by_group: dict[str, dict[str, dict]] = {}
     for s in summaries:
         by_group.setdefault(s["group"], {})[s["variant"]] = s
     for group_summaries in by_group.values():
         lines += control_sentence(family, design, group_summaries)
-    lines += ["", *reruns_table(family, family.judged(design), units, out), *trust_table(units, rules),
+    lines += ["", *reruns_table(family, family.judged(design), units), *trust_table(units, rules),
               *sampler_cost_table(units), *per_run_table(family, units, rules)]
     figures = out / family.name
     for group in family.groups:
@@ -247,6 +249,7 @@ def design_section(family: Family, design: Protocol, rules: Protocol, units: lis
     path = figures / f"v{design.version}_quality_vs_memory.png"
     plot_quality_memory(family, family.judged(design), summaries, path)
     lines += [f"![{family.title}: test metric against memory]({rel(path)})", "", *sample_grids(family, units, out, rel)]
+    rows = rows or [no_comparison(why="no comparison yet")]
     return lines, [[family.title, f"v{design.version}", *row] for row in rows]
 
 

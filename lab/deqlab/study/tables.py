@@ -10,7 +10,7 @@ from datetime import datetime
 from pathlib import Path
 
 from ..report import pipe_table
-from .core import Family, Metric, value_of
+from .core import Family, Metric, value_of, without_protocol
 from .judging import exclusion
 from .protocol import Protocol
 
@@ -131,21 +131,23 @@ def spread(unit: dict, key: str) -> str:
     return "" if std is None else f" ± {fmt(std)}"
 
 
-def rerun_path(out: Path, family: str, group: str, variant: str, seed: int) -> Path:
-    """Where a rerun of a recorded unit is recorded (beside the units, never counted as one)."""
-    return out / family / group / "reruns" / f"{variant}_s{seed}.json"
+def rerun_path(unit_file: Path) -> Path:
+    """Where a rerun of the unit recorded at ``unit_file`` is recorded (beside it, never counted as a unit)."""
+    return unit_file.parent / "reruns" / unit_file.name
 
 
-def reruns_table(family: Family, judged: Metric, units: list[dict], out: Path) -> list[str]:
+def reruns_table(family: Family, judged: Metric, units: list[dict]) -> list[str]:
     """The run-to-run spread: each recorded rerun of a unit against the unit (same seed, settings and arguments),
     with both units' thread counts and commits."""
     metric = judged.key
     rows = []
     for u in units:
-        path = rerun_path(out, family.name, u["group"], u["variant"], u["seed"])
+        path = rerun_path(Path(u["file"]))
         if not path.exists():
             continue
         again = json.loads(path.read_text())
+        if (without_protocol(again["settings"]), again.get("fit")) != (without_protocol(u["settings"]), u.get("fit")):
+            continue  # a rerun of another unit at this seed (e.g. another design's): not this one's spread
         a, b = value_of(u, metric), value_of(again, metric)
         same = "**yes**" if a == b else "no"
         threads = f"{u.get('threads', '–')} / {again.get('threads', '–')}"
