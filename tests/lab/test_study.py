@@ -402,6 +402,8 @@ def test_a_unit_of_an_earlier_design_is_kept_beside_the_one_that_takes_its_place
     designs = report_module.load_units(out, family, later)
     assert {v: [(u["seed"], u["value"]["metrics"]["ais_log_likelihood"]) for u in d[1]]
             for v, d in designs.items()} == {2: [(0, -90.0)], 1: [(0, -100.0)]}
+    grids = {v: "\n".join(tables.sample_grids(family, d[1], str)) for v, d in designs.items()}
+    assert str(kept.with_suffix(".png")) in grids[1] and "png" not in grids[2]  # each design's own grid
     spread = {v: "\n".join(tables.reruns_table(family, family.judged(later), d[1])) for v, d in designs.items()}
     assert "| -100.0 | -100.5 |" in spread[1] and "no rerun recorded" in spread[2]
     stale = shutil.copy(group_dir / "v1" / "reruns" / path.name, group_dir / "reruns" / path.name)

@@ -248,7 +248,7 @@ def design_section(family: Family, design: Protocol, rules: Protocol, units: lis
             lines += [f"![{family.title}, {group}: learning curves]({rel(path)})", ""]
     path = figures / f"v{design.version}_quality_vs_memory.png"
     plot_quality_memory(family, family.judged(design), summaries, path)
-    lines += [f"![{family.title}: test metric against memory]({rel(path)})", "", *sample_grids(family, units, out, rel)]
+    lines += [f"![{family.title}: test metric against memory]({rel(path)})", "", *sample_grids(family, units, rel)]
     rows = rows or [no_comparison(why="no comparison yet")]
     return lines, [[family.title, f"v{design.version}", *row] for row in rows]
 

@@ -190,13 +190,13 @@ def sampler_cost_table(units: list[dict]) -> list[str]:
             *pipe_table(header, rows), ""]
 
 
-def sample_grids(family: Family, units: list[dict], out: Path, rel) -> list[str]:
-    """The sample grid of every seed of every variant: one row per variant, a variant with fewer grids than the
-    widest padded with empty cells."""
+def sample_grids(family: Family, units: list[dict], rel) -> list[str]:
+    """The sample grid of every seed of every variant (beside its unit file): one row per variant, a variant with
+    fewer grids than the widest padded with empty cells."""
     rows = []
     for name in family.variants:
         cells = [f"![{name} seed {u['seed']}]({rel(grid)})" for u in units if u["variant"] == name
-                 and (grid := out / family.name / u["group"] / f"{name}_s{u['seed']}.png").exists()]
+                 and (grid := Path(u["file"]).with_suffix(".png")).exists()]
         if cells:
             rows.append([name, *cells])
     if not rows:
