@@ -227,12 +227,12 @@ def design_section(family: Family, design: Protocol, rules: Protocol, units: lis
              *([f"* **left out**: {left_out} unit files recorded with other settings"] if left_out else []), "",
              *arm_table(family, design, rules, units, summaries)]
     table = comparisons(family, design, rules, units, memory)
-    rows = [comparison_row(c) for c in table]
+    rows = [comparison_row(c) for c in table] or [no_comparison(why="no comparison yet")]
     alpha = rules.text["rule"]["holm"]["alpha"]
     lines += [f"**The verdicts** ({family.judged(design).label}, margin {margin_text(family, design)}; Holm's "
               f"correction over the {len(defined_comparisons(family, design))} comparisons this design defines, "
               f"familywise alpha {alpha}; interim: an arm short of its protocol seeds, not a result):", "",
-              *pipe_table(COMPARISON_HEADER, rows or [no_comparison(why="no comparison yet")]), ""]
+              *pipe_table(COMPARISON_HEADER, rows), ""]
     by_group: dict[str, dict[str, dict]] = {}
     for s in summaries:
         by_group.setdefault(s["group"], {})[s["variant"]] = s
@@ -249,7 +249,6 @@ def design_section(family: Family, design: Protocol, rules: Protocol, units: lis
     path = figures / f"v{design.version}_quality_vs_memory.png"
     plot_quality_memory(family, family.judged(design), summaries, path)
     lines += [f"![{family.title}: test metric against memory]({rel(path)})", "", *sample_grids(family, units, rel)]
-    rows = rows or [no_comparison(why="no comparison yet")]
     return lines, [[family.title, f"v{design.version}", *row] for row in rows]
 
 
