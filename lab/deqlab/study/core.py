@@ -97,6 +97,11 @@ def unit_path(out: Path, family: str, group: str, variant: str, seed: int) -> Pa
     return out / family / group / f"{variant}_s{seed}.json"
 
 
+def rerun_path(unit_file: Path) -> Path:
+    """Where a rerun of the unit recorded at ``unit_file`` is recorded (beside it, never counted as a unit)."""
+    return unit_file.parent / "reruns" / unit_file.name
+
+
 def keep_earlier(path: Path, group_dir: Path, protocol: Protocol) -> None:
     """Move the unit file at ``path`` under ``group_dir`` (with its sample grid, and a unit's rerun under
     ``reruns/``) to ``group_dir/v<version>/``, the version it was recorded under, where ``protocol`` does not govern
@@ -104,7 +109,7 @@ def keep_earlier(path: Path, group_dir: Path, protocol: Protocol) -> None:
     so the unit that takes its place never overwrites it. A unit of the same design (run again for a changed config
     or code) is replaced."""
     moves = []
-    for unit_file in (path, *([group_dir / "reruns" / path.name] if path.parent == group_dir else [])):
+    for unit_file in (path, *([rerun_path(path)] if path.parent == group_dir else [])):
         if not unit_file.exists() or protocol.governs(unit := json.loads(unit_file.read_text())):
             continue
         version = (unit["settings"].get("protocol") or {}).get("version")

@@ -36,11 +36,11 @@ def check_seeds(design: Protocol, units: list[dict]) -> None:
     another design's units, :func:`.core.keep_earlier`)."""
     first: dict[tuple, str] = {}
     for u in units:
-        other = first.setdefault((u["group"], u["variant"], u["seed"]), u.get("file", u["variant"]))
-        if other != u.get("file", u["variant"]):
-            raise ProtocolError(f"{u.get('file', u['variant'])}: a second unit of {u['family']}/{u['group']}/"
-                                f"{u['variant']} seed {u['seed']} under protocol v{design.version}, beside {other}; "
-                                "keep one")
+        name = u.get("file", u["variant"])
+        other = first.setdefault((u["group"], u["variant"], u["seed"]), name)
+        if other != name:
+            raise ProtocolError(f"{name}: a second unit of {u['family']}/{u['group']}/{u['variant']} seed "
+                                f"{u['seed']} under protocol v{design.version}, beside {other}; keep one")
     foreign = [u for u in units if u["seed"] not in design.seeds(u["family"], u["variant"])]
     if foreign:
         u = foreign[0]

@@ -10,7 +10,7 @@ from datetime import datetime
 from pathlib import Path
 
 from ..report import pipe_table
-from .core import Family, Metric, value_of, without_protocol
+from .core import Family, Metric, rerun_path, value_of, without_protocol
 from .judging import exclusion
 from .protocol import Protocol
 
@@ -129,11 +129,6 @@ def per_run_table(family: Family, units: list[dict], rules: Protocol) -> list[st
 def spread(unit: dict, key: str) -> str:
     std = value_of(unit, f"{key}_std")
     return "" if std is None else f" ± {fmt(std)}"
-
-
-def rerun_path(unit_file: Path) -> Path:
-    """Where a rerun of the unit recorded at ``unit_file`` is recorded (beside it, never counted as a unit)."""
-    return unit_file.parent / "reruns" / unit_file.name
 
 
 def reruns_table(family: Family, judged: Metric, units: list[dict]) -> list[str]:
