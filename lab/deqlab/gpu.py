@@ -1,4 +1,4 @@
-"""``python -m deqlab gpu``: the one GPU command (``make gpu``), about 7 minutes on one H100.
+"""``python -m deqlab gpu``: the one GPU command (``make gpu``), about 7.5 minutes on one GPU.
 
 What it measures on a GPU, into ``--out`` (default ``benchmarks/results/gpu/``): ``gpu.md`` and ``gpu.json`` (the
 same numbers, the card named in the header), one sample grid PNG per image network:
@@ -37,10 +37,10 @@ from .report import Result, Table, write_result
 PROG = "python -m deqlab gpu"
 DEFAULT_OUT = "benchmarks/results/gpu"
 
-STEPS = {"full": StepPlan("full", repeats=10, backend="inductor", budget_s=90.0),
+STEPS = {"full": StepPlan("full", repeats=10, backend="inductor", budget_s=60.0),
          "quick": StepPlan("quick", repeats=2, backend="eager", budget_s=6.0)}
 IMAGES = {
-    "full": ImagePlan(quick=False, train_s={"explicit": 55.0, "DEQ": 80.0}, max_steps=20_000, sample_s=35.0,
+    "full": ImagePlan(quick=False, train_s={"explicit": 50.0, "DEQ": 70.0}, max_steps=20_000, sample_s=30.0,
                       samples=500, min_samples=100, reference=10_000),
     "quick": ImagePlan(quick=True, train_s={"explicit": 5.0, "DEQ": 5.0}, max_steps=3, sample_s=30.0,
                        samples=10, min_samples=10, reference=10, fid=False),
