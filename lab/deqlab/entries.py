@@ -113,6 +113,13 @@ DEPTHS: dict[str, dict[str, Depth]] = {
         # the config trains DSM with IFT; the curves compare phantom steps, the stacks backpropagate directly
         deq_options={"net.deq.backward": "phantom"},
     )},
+    "edm": {"edm": Depth(
+        "EDM denoiser middle (MNIST)", "configs/edm/deq_mnist.yaml",
+        {"full": {"net.dim": 784}, "quick": {"net.dim": 784, "net.ngf": 4}},
+        {"full": 64, "quick": 4}, inputs="pixels",
+        # the config trains with IFT (exact for EDM's first-order loss); the curves compare phantom steps
+        deq_options={"net.deq.backward": "phantom"},
+    )},
     "vae": {
         "vae_mlp": Depth(
             "VAE score net (MNIST MLP)", "configs/vae/deq_mnist.yaml",
