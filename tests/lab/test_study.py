@@ -4,6 +4,7 @@ and scored, a recorded unit is not run again, and the page is written from the u
 import functools
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -411,6 +412,12 @@ def test_a_unit_of_an_earlier_design_is_kept_beside_the_one_that_takes_its_place
     Path(stale).unlink()  # a rerun of the earlier unit, at the newer one's place: not paired with it
     run(facts={"code": {**code, "commit": "b" * 40}})  # the same design run again (another commit): replaced
     assert sorted(p.name for p in group_dir.iterdir()) == ["deq_s0.json", "reruns", "v1"]
+    later_unit = path.read_text()
+    shutil.copy(kept, path)  # by hand: the earlier unit again at the newer one's place, while v1 holds it
+    with pytest.raises(protocol.ProtocolError, match=re.escape(f"{kept}: already holds a unit of that version")):
+        run(facts={"code": code})
+    assert path.read_text() == kept.read_text() and path.exists()  # refused before anything moved
+    path.write_text(later_unit)
     shutil.copytree(group_dir / "v1", group_dir / "v9")  # the earlier unit twice
     with pytest.raises(protocol.ProtocolError, match="v9/deq_s0.json: a second unit of vae/mnist/deq seed 0"):
         report_module.load_units(out, family, later)

@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from deqscore.configfiles import composed_text
 from deqscore.families import ROOT, declarations
@@ -29,9 +29,7 @@ from deqscore.lightning.callbacks import read_metrics_csv
 from ..entries import Metric
 from ..measure import changed_code
 from ..units import mean_stderr, recorded
-
-if TYPE_CHECKING:
-    from .protocol import Protocol
+from .protocol import Protocol, ProtocolError
 
 # files that only write the results page: a change to them leaves every recorded unit as it was
 REPORT_ONLY = tuple(f"lab/deqlab/study/{name}.py" for name in ("report", "tables", "judging", "verdict", "figures"))
@@ -94,6 +92,7 @@ class Family:
 
 
 def unit_path(out: Path, family: str, group: str, variant: str, seed: int) -> Path:
+    """Where the unit of (``family``, ``group``, ``variant``, ``seed``) is recorded."""
     return out / family / group / f"{variant}_s{seed}.json"
 
 
@@ -116,8 +115,9 @@ def keep_earlier(path: Path, group_dir: Path, protocol: Protocol) -> None:
         target = group_dir / f"v{version}" / unit_file.relative_to(group_dir)
         moves += [(p, target.with_suffix(p.suffix)) for p in (unit_file, unit_file.with_suffix(".png")) if p.exists()]
     for source, kept in moves:
-        if kept.exists():
-            raise FileExistsError(f"{kept}: already holds a unit of that version; {source} would replace it")
+        if kept.exists():  # only a copy made by hand gets here; both files stay as they are
+            raise ProtocolError(f"{kept}: already holds a unit of that version, so {source} cannot be kept there; "
+                                "move one of the two away")
     for source, kept in moves:
         kept.parent.mkdir(parents=True, exist_ok=True)
         source.rename(kept)
@@ -224,14 +224,14 @@ def run_unit(family: Family, group: str, name: str, seed: int, settings: UnitSet
     evaluated)."""
     arguments = fit_arguments(family, group, name, seed, settings, learning_rate)
     governing = fit_record(family, name, arguments)
-    folder = {"unit": None, "rerun": "reruns", "tuning": "tuning"}[kind]
-    stem = f"{name}_s{seed}" if learning_rate is None or kind != "tuning" else f"{name}_lr{learning_rate[1]!r}_s{seed}"
-    path = out / family.name / group / (f"{stem}.json" if folder is None else f"{folder}/{stem}.json")
+    group_dir, unit_file = out / family.name / group, unit_path(out, family.name, group, name, seed)
+    tuning = f"{name}_lr{learning_rate[1]!r}_s{seed}.json" if learning_rate else unit_file.name
+    path = {"unit": unit_file, "rerun": rerun_path(unit_file), "tuning": group_dir / "tuning" / tuning}[kind]
     names = list(declarations())
 
     def compute() -> dict:
-        keep_earlier(path, out / family.name / group, settings.protocol)
-        run_dir = runs_root / family.name / group / (stem if folder is None else f"{folder}/{stem}")
+        keep_earlier(path, group_dir, settings.protocol)
+        run_dir = runs_root / family.name / group / path.relative_to(group_dir).with_suffix("")
         launch = {"settings": settings.recorded_as(family), "fit": governing, "code": facts.get("code")}
         result = train_and_evaluate(family, name, seed, settings, run_dir, arguments, evaluate=kind != "tuning",
                                     launch=launch)

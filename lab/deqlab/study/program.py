@@ -146,6 +146,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, 
             torch.set_num_threads(protocol.text["threads"])
     try:
         results = run_plan(plan, Path(args.runs_root), out, "rerun" if args.rerun else "unit")
+    except ProtocolError as err:  # a recorded unit that cannot be kept: nothing moved, one line
+        parser.error(str(err))
     finally:
         torch.set_num_threads(threads)
     if args.report:
