@@ -3,8 +3,9 @@ import os
 import pytest
 import torch
 
-# Tests run on CPU with 2 cores; keep torch from oversubscribing them.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Tests run on CPU with 2 cores; keep torch from oversubscribing them: one thread per xdist worker (`make test`
+# runs one worker per core), up to 2 in a single process.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
 
 
 @pytest.fixture(autouse=True)

@@ -12,6 +12,8 @@ import torch
 
 from .conftest import ROOT, tiny_args
 
+pytestmark = pytest.mark.xdist_group("processes")  # see the Makefile's test target
+
 WORKER = ROOT / "tests" / "lightning" / "ddp_worker.py"
 EXIT_PROBE = ROOT / "tests" / "lightning" / "exit_probe.py"
 TIMEOUT_S = 120  # per process: a multi-process regression (a rank waiting for another) fails fast, not at CI's limit

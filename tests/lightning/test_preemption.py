@@ -19,6 +19,8 @@ from deqscore.lightning.callbacks import INTERRUPTED_STATUS, PREEMPTED_STATUS, r
 
 from .conftest import ROOT, tiny_args
 
+pytestmark = pytest.mark.xdist_group("processes")  # see the Makefile's test target
+
 CONFIG = "configs/nice/explicit.yaml"
 STEPS = 12
 TIMEOUT_S = 120

@@ -258,6 +258,7 @@ def _worker(rank: int, port: int, feats: torch.Tensor, out: str) -> None:
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.xdist_group("processes")
 def test_all_reduce_over_two_processes_gives_the_statistics_of_all_features(tmp_path):
     feats = torch.randn(21, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
     mp.spawn(_worker, args=(_free_port(), feats, str(tmp_path)), nprocs=2, join=True)
