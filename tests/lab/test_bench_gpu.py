@@ -10,7 +10,7 @@ import statistics
 import pytest
 import torch
 
-from deqlab import gpu, main
+from deqlab import gpu, gpu_images, main
 from deqlab.gpu_images import IMAGE_FAMILIES, score
 from deqlab.gpu_steps import family_entries, ratio_row
 from deqscore.families import declarations
@@ -85,6 +85,31 @@ def test_image_rows_train_sample_and_score_each_registered_family(quick_run):
         for row in rows[1:]:
             assert 1 <= row["steps"] <= plan.max_steps
             assert "digits" in row or row.get("kid") is None  # judged wherever the control was scored
+
+
+def test_the_trained_weights_are_sampled_not_an_average_of_them(monkeypatch, tmp_path):
+    """The sampler runs the very parameters the optimiser stepped (the study's rule since protocol v6), not a copy
+    such as an average of them."""
+    family = next(f for f in IMAGE_FAMILIES if f.name == "edm")
+    optimisers, sampled = [], []
+
+    def optimiser_kept(params, spec):
+        optimisers.append(real_instantiate(params, spec))
+        return optimisers[-1]
+
+    def sample_kept(module, plan, device):
+        sampled.extend(module.net.parameters())
+        return real_sample(module, plan, device)
+
+    real_instantiate, real_sample = gpu_images.instantiate_class, gpu_images.sample
+    monkeypatch.setattr(gpu_images, "instantiate_class", optimiser_kept)
+    monkeypatch.setattr(gpu_images, "sample", sample_kept)
+    data = torch.rand(64, 784, generator=torch.Generator().manual_seed(0))
+    record = gpu_images._one_network(family, "explicit", family.configs["explicit"], data, gpu.IMAGES["quick"],
+                                     torch.device("cpu"), tmp_path, None, None)
+    stepped = {id(p) for group in optimisers[0].param_groups for p in group["params"]}
+    assert record["steps"] == gpu.IMAGES["quick"].max_steps and len(optimisers) == 1 and sampled
+    assert all(id(p) in stepped for p in sampled)
 
 
 def test_kid_and_its_standard_error_on_known_distributions():
