@@ -105,7 +105,7 @@ def train(module, config: str, data: torch.Tensor, plan: ImagePlan, budget_s: fl
     seconds = time.perf_counter() - start
     log(f"gpu images: trained {steps} steps in {seconds:.0f} s, loss {losses[-1] if losses else float('nan'):.3g}")
     return {"steps": steps, "train_s": seconds, "batch": batch, "last_loss": losses[-1] if losses else None,
-                 "ms_per_step": 1e3 * seconds / max(steps, 1)}
+            "ms_per_step": 1e3 * seconds / max(steps, 1)}
 
 
 def sample(module, plan: ImagePlan, device: torch.device) -> tuple[torch.Tensor, dict]:
