@@ -243,7 +243,8 @@ def test_curve_labels_per_arm_and_trust_figures_reach_the_page(tmp_path):
     """Each arm's mean validation curve is flat (less than 1 % of its best over the last fifth), still improving
     or worsening (its last validation more than 1 % above its best), with the step of its best validation; a
     comparison with an arm still improving is marked. A DEQ whose training gradient is more than 5 % off the exact
-    one is marked unfaithful."""
+    one is marked unfaithful. A seed whose log ends before its arm's last validation is left out of the label, and
+    named."""
     flat = [[99, -10.0], [199, -20.0], [799, -30.0], [999, -30.2]]  # 0.7 % over the last fifth
     falling = [[99, -10.0], [199, -20.0], [799, -30.0], [999, -33.0]]  # 9.1 %
     rising = [[99, -10.0], [199, -20.0], [799, -30.0], [999, -25.0]]  # 16.7 % above its best, at step 799
@@ -257,12 +258,15 @@ def test_curve_labels_per_arm_and_trust_figures_reach_the_page(tmp_path):
         write_unit(tmp_path, "nice", "mnist", "deq", seed, {"bits_per_dim": 5.0 + seed / 10}, trust=trust,
                    curve=falling)
         write_unit(tmp_path, "nice", "mnist", "explicit_deep", seed, {"bits_per_dim": 5.0}, curve=rising)
+    # its last rows lost (a resume dropped them): the arm's other seeds would otherwise be cut at step 799 too
+    write_unit(tmp_path, "nice", "mnist", "explicit", 2, {"bits_per_dim": 5.0}, curve=[[99, -9.0], [799, -20.0]])
     text = report(tmp_path)
-    assert "| flat (+0.7% over the last fifth; best at step 999 of 999) |" in text
+    assert "| flat (+0.7% over the last fifth; best at step 999 of 999; seed 2's log ends at step 799, left out) |" \
+        in text
     assert "| worsening (+16.7% above its best; best at step 799 of 999) |" in text
     row = next(line for line in text.splitlines() if "| deq vs explicit (shallow) |" in line)
-    assert "**an arm still improving**: still improving (+9.1% over the last fifth; best at step 999 of 999); flat" \
-        in row
+    assert "**an arm still improving**: still improving (+9.1% over the last fifth; best at step 999 of 999); flat " \
+        "(+0.7% over the last fifth; best at step 999 of 999; seed 2's log ends at step 799, left out)" in row
     assert "| mnist | deq | 2 | 0.700 (0.700) | 2 | 0.490 (0.490) | 10.0% (10.0%) | 20.0% (20.0%) | 30.0% (30.0%) " \
            "| 0.950 (0.950) | 1.200 (1.200) | 0.0% (0.0%) / 0.0% (0.0%) | 0 of 2 converged, 2 at float32's floor " \
            "| **no** (> 5%) |" in text

@@ -73,10 +73,17 @@ def arm_seeds(design: Protocol, rules: Protocol, units: list[dict], family: Fami
 
 def curve_label(rules: Protocol, units: list[dict], group: str, variant: str | None) -> dict[str, Any] | None:
     """The arm's label from its mean validation curve (protocol ``curves``): ``label``, ``best_step``, ``change``
-    (the fall over the last fifth as a fraction of the scale, positive: improving) and ``above_best`` (the last
-    validation above the best, same scale); None without two common validation points."""
+    (the fall over the last fifth as a fraction of the scale, positive: improving), ``above_best`` (the last
+    validation above the best, same scale) and ``cut`` (seed -> last step of a log that ends before the arm's last
+    validation: left out); None without two common validation points."""
     rule = rules.text["curves"]
-    curve = seed_curve([u["value"] for u in units if (u["group"], u["variant"]) == (group, variant)], "val/loss")
+    arm = [u for u in units if (u["group"], u["variant"]) == (group, variant)]
+    ends = {u["seed"]: u["value"]["curves"]["val/loss"][-1][0] for u in arm
+            if u["value"].get("iterations") and u["value"].get("curves", {}).get("val/loss")}
+    # a log that stops short of the arm's last validation (rows a resume dropped) would cut every seed's curve
+    # there: it is left out of the label, and named
+    cut = {seed: end for seed, end in ends.items() if end < max(ends.values())}
+    curve = seed_curve([u["value"] for u in arm if u["seed"] not in cut], "val/loss")
     if len(curve) < 2:
         return None
     mean = {t: m for t, (m, _) in curve.items()}
@@ -93,7 +100,8 @@ def curve_label(rules: Protocol, units: list[dict], group: str, variant: str | N
         label = "still improving"
     else:
         label = "flat"
-    return {"label": label, "best_step": best, "last_step": last, "change": change, "above_best": above_best}
+    return {"label": label, "best_step": best, "last_step": last, "change": change, "above_best": above_best,
+            "cut": cut}
 
 
 def label_text(label: dict | None) -> str:
@@ -102,7 +110,8 @@ def label_text(label: dict | None) -> str:
     what = {"worsening": f"{label['above_best']:+.1%} above its best",
             "still improving": f"{label['change']:+.1%} over the last fifth",
             "flat": f"{label['change']:+.1%} over the last fifth"}[label["label"]]
-    return f"{label['label']} ({what}; best at step {label['best_step']:,} of {label['last_step']:,})"
+    cut = "".join(f"; seed {seed}'s log ends at step {end:,}, left out" for seed, end in label.get("cut", {}).items())
+    return f"{label['label']} ({what}; best at step {label['best_step']:,} of {label['last_step']:,}{cut})"
 
 
 def defined_comparisons(family: Family, design: Protocol) -> list[tuple[str, str, str]]:
