@@ -65,8 +65,8 @@ def page_tables(page: str) -> list[tuple[str, list[str], list[list[str]]]]:
 
 def tolerance(fmt: str, value: float) -> float:
     """How far a number printed with ``fmt`` may lie from its value: half a unit of the last digit printed."""
-    if fmt in ("", ","):
-        return 0.0  # every digit (repr, or an integer with thousands separators)
+    if fmt in ("", ",", "d"):
+        return 0.0  # every digit (repr, or an integer, with thousands separators or without)
     if match := re.fullmatch(r",?\.(\d+)f", fmt):
         return 0.5 * 10.0 ** -int(match.group(1))
     if match := re.fullmatch(r"\.(\d+)([ge])|(g)", fmt):
