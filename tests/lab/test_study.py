@@ -272,6 +272,27 @@ def test_curve_labels_per_arm_and_trust_figures_reach_the_page(tmp_path):
            "| **no** (> 5%) |" in text
 
 
+def test_an_arms_learning_rate_at_an_end_of_its_grid_is_marked(tmp_path):
+    """The rate an arm trained at is read from its units' arguments; one at the grid's largest or smallest value
+    is marked so, one inside it is not."""
+    rule = PROTOCOL.family("nice")["learning_rate"]
+    low, middle, high = sorted(rule["grid"])
+    for variant, rate in (("explicit", high), ("deq", middle), ("deq_implicit", low)):
+        for seed in range(2):
+            write_unit(tmp_path, "nice", "mnist", variant, seed, {"bits_per_dim": 5.0})
+            path = core.unit_path(tmp_path, "nice", "mnist", variant, seed)
+            unit = json.loads(path.read_text())
+            unit["value"]["arguments"] = [f"{rule['option']}={rate!r}"]
+            path.write_text(json.dumps(unit))
+    rows = {}
+    for line in report(tmp_path).splitlines():  # the arm table comes first
+        if line.startswith("| mnist | "):
+            rows.setdefault(line.split(" | ")[1], line)
+    assert f"| {high!r} (the grid's largest) |" in rows["explicit"]
+    assert f"| {middle!r} |" in rows["deq"] and "the grid's" not in rows["deq"]
+    assert f"| {low!r} (the grid's smallest) |" in rows["deq_implicit"]
+
+
 def test_an_implicit_deqs_trust_row_names_its_backward_and_shows_its_millionths(tmp_path):
     """An implicit DEQ trains on the exact derivatives: its row shows the backward, not phantom steps, and its
     gradient error at the precision it has (0.0 % would hide 3.7e-6)."""

@@ -185,7 +185,8 @@ def arm_table(family: Family, design: Protocol, rules: Protocol, units: list[dic
         params = s.get("parameters", {}).get("mean")
         label = label_text(curve_label(rules, units, s["group"], s["variant"]))
         rates = sorted({a.split("=", 1)[1] for u in arm["counted"] for a in u["value"].get("arguments", [])
-                        if rule and a.startswith(f"{rule['option']}=")}) or ["the config's"]
+                        if rule and a.startswith(f"{rule['option']}=")})
+        rates = [rate + edge_of_grid(float(rate), rule["grid"]) for rate in rates] or ["the config's"]
         rows.append([s["group"], s["variant"], variant.role, seeds_cell(arm),
                      *(mean_cell(s, m.key) for m in family.metrics), label, ", ".join(rates),
                      "–" if params is None else f"{params:,.0f}", mean_cell(s, "activation_memory_mb", 2),
@@ -196,7 +197,13 @@ def arm_table(family: Family, design: Protocol, rules: Protocol, units: list[dic
             "figure (an explicit network has no solver; the IFT column only where the backward is the IFT). "
             "Activation memory: the tensors one training step saves for backward. s / iteration: wall clock of "
             "`train.py fit` over its iterations, validation and checkpointing included (DKEF: also its closing "
-            "stage), on a machine shared with other jobs: a rough figure; the benchmarks measure speed.", ""]
+            "stage), on a machine shared with other jobs: a rough figure; the benchmarks measure speed. A learning "
+            "rate at an end of its grid may have its best beyond that end.", ""]
+
+
+def edge_of_grid(rate: float, grid: list[float]) -> str:
+    """`` (the grid's largest)`` or `` (the grid's smallest)`` where ``rate`` is one of the grid's ends, else ``""``."""
+    return " (the grid's largest)" if rate == max(grid) else " (the grid's smallest)" if rate == min(grid) else ""
 
 
 def design_section(family: Family, design: Protocol, rules: Protocol, units: list[dict], left_out: int, out: Path,
