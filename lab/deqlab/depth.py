@@ -45,7 +45,7 @@ from .entries import Depth, depth_entries
 from .measure import MIB, log, loss_step_bytes
 from .report import Column, Table
 from .settings import FORCED_TOL, Settings
-from .units import recorded
+from .units import recorded, repo_relative
 
 DEPTHS = {"full": (2, 4, 8, 16), "quick": (1, 2)}
 PHANTOM_STEPS = {"full": (1, 2, 4), "quick": (1, 2)}
@@ -191,7 +191,7 @@ def effective_depth(family: Depth, mode: str) -> dict | None:
         converged = [bool(d.stats.converged) for d in deqs]
     return {"mean_iterations": sum(steps) / len(steps), "per_layer": steps, "converged": all(converged),
             "tol": deqs[0].tol, "stop_mode": deqs[0].stop_mode, "solver": deqs[0].solver,
-            "training": " ".join(family.train_args[mode]), "batch": len(x)}
+            "training": repo_relative(" ".join(family.train_args[mode])), "batch": len(x)}
 
 
 # ---------------------------------------------------------------- report
@@ -271,7 +271,7 @@ def depth(s: Settings, device: torch.device) -> Table:
                     "iterations": ITERATIONS[s.mode], "config": composed_text(ROOT / family.config),
                     "backward": ("phantom", "implicit")}  # units measured before the implicit rows: measured again
         rows = recorded(out / "depth_units" / f"{name}__rows.json", settings, lambda f=family: family_rows(f, s.mode))
-        train = {"mode": s.mode, "args": family.train_args and family.train_args[s.mode],
+        train = {"mode": s.mode, "args": family.train_args and [repo_relative(a) for a in family.train_args[s.mode]],
                  "config": settings["config"]}
         eff = recorded(out / "depth_units" / f"{name}__effective_depth.json", train,
                        lambda f=family: effective_depth(f, s.mode))

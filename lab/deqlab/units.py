@@ -12,6 +12,8 @@ first one's value back: ``1 / 0`` is never run.
 [1, 2]
 >>> mean_stderr([1.0, 2.0, 3.0])
 (2.0, 0.5773502691896257)
+>>> repo_relative(f"--data.init_args.root={ROOT / 'datasets' / 'uci'}")
+'--data.init_args.root=<repo>/datasets/uci'
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from deqscore.families import ROOT
 from deqscore.files import staged
 
 from .measure import log
@@ -56,3 +59,8 @@ def mean_stderr(values: Sequence[float]) -> tuple[float, float | None]:
     if n < 2:
         return mean, None
     return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+
+
+def repo_relative(text: str) -> str:
+    """``text`` with this checkout's path written ``<repo>``, so that what a unit records agrees between clones."""
+    return text.replace(str(ROOT), "<repo>")

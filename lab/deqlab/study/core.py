@@ -28,7 +28,7 @@ from deqscore.lightning.callbacks import read_metrics_csv
 
 from ..entries import Metric
 from ..measure import changed_code
-from ..units import mean_stderr, recorded
+from ..units import mean_stderr, recorded, repo_relative
 from .protocol import Protocol, ProtocolError
 
 # files that only write the results page: a change to them leaves every recorded unit as it was
@@ -185,9 +185,9 @@ def fit_arguments(family: Family, group: str, name: str, seed: int, settings: Un
 def fit_record(family: Family, name: str, arguments: list[str]) -> dict[str, Any]:
     """What governs a unit's fit beside the settings: the SHA-256 of its composed config (the repository's path
     written as ``<repo>``, so that clones agree) and its arguments."""
-    text = composed_text(ROOT / family.variants[name].config).replace(str(ROOT), "<repo>")
+    text = repo_relative(composed_text(ROOT / family.variants[name].config))
     return {"config_sha256": hashlib.sha256(text.encode()).hexdigest(),
-            "arguments": [a.replace(str(ROOT), "<repo>") for a in arguments]}
+            "arguments": [repo_relative(a) for a in arguments]}
 
 
 def outside_family(family: str, path: str, families: list[str]) -> bool:
