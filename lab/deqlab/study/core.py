@@ -224,7 +224,8 @@ def run_unit(family: Family, group: str, name: str, seed: int, settings: UnitSet
     evaluated)."""
     arguments = fit_arguments(family, group, name, seed, settings, learning_rate)
     governing = fit_record(family, name, arguments)
-    group_dir, unit_file = out / family.name / group, unit_path(out, family.name, group, name, seed)
+    unit_file = unit_path(out, family.name, group, name, seed)
+    group_dir = unit_file.parent
     tuning = f"{name}_lr{learning_rate[1]!r}_s{seed}.json" if learning_rate else unit_file.name
     path = {"unit": unit_file, "rerun": rerun_path(unit_file), "tuning": group_dir / "tuning" / tuning}[kind]
     names = list(declarations())

@@ -82,7 +82,8 @@ def curve_label(rules: Protocol, units: list[dict], group: str, variant: str | N
             if u["value"].get("iterations") and u["value"].get("curves", {}).get("val/loss")}
     # a log that stops short of the arm's last validation (rows a resume dropped) would cut every seed's curve
     # there: it is left out of the label, and named
-    cut = {seed: end for seed, end in ends.items() if end < max(ends.values())}
+    last_validation = max(ends.values(), default=None)
+    cut = {seed: end for seed, end in ends.items() if end < last_validation}
     curve = seed_curve([u["value"] for u in arm if u["seed"] not in cut], "val/loss")
     if len(curve) < 2:
         return None
@@ -110,7 +111,7 @@ def label_text(label: dict | None) -> str:
     what = {"worsening": f"{label['above_best']:+.1%} above its best",
             "still improving": f"{label['change']:+.1%} over the last fifth",
             "flat": f"{label['change']:+.1%} over the last fifth"}[label["label"]]
-    cut = "".join(f"; seed {seed}'s log ends at step {end:,}, left out" for seed, end in label.get("cut", {}).items())
+    cut = "".join(f"; seed {seed}'s log ends at step {end:,}, left out" for seed, end in label["cut"].items())
     return f"{label['label']} ({what}; best at step {label['best_step']:,} of {label['last_step']:,}{cut})"
 
 
