@@ -1,9 +1,11 @@
 """Activation memory: bytes of the tensors autograd saves for backward during one training step (forward and
 backward), parameters excluded. One meter serves the benchmark and the figure a training run logs.
 
-The meter reads the saved tensors of every autograd node created while it is active (a node-creation hook), not
-through saved-tensor hooks: ``torch.func`` refuses to run under those, and the exact DEQ backward
-(``backward="implicit"``) takes its partial derivatives with ``torch.func.vjp``. What a ``torch.func`` transform
+The meter reads the saved tensors of every autograd node created while it is active (a node-creation hook, torch
+2.14 on), not through saved-tensor hooks: ``torch.func`` refuses to run under those, and the exact DEQ backward
+(``backward="implicit"``) takes its partial derivatives with ``torch.func.vjp``. An older torch has no such hook;
+there the meter packs saved tensors through saved-tensor hooks, which see the same tensors of an ordinary step, and
+a step of the exact backward cannot be measured (``torch.func`` says so). What a ``torch.func`` transform
 records at its own inner level (tensors wrapped by it) lives only inside that call and is not counted: it is
 working memory, like a solver's history, not part of the step's graph.
 
@@ -71,14 +73,26 @@ class SavedTensorMeter:
         self._excluded = {_storage_key(p) for p in exclude}
         self._seen: dict[tuple, int] = {}
         self._pinned: list[torch.Tensor] = []
-        self._ctx = torch.autograd.graph.node_creation_hook(self._node)
+        node_hook = getattr(torch.autograd.graph, "node_creation_hook", None)
+        if node_hook is not None:
+            self._ctx = node_hook(self._node)
+        else:  # torch before 2.14 (module docstring)
+            self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _node(self, node: torch.autograd.graph.Node) -> None:
         for t in _saved_tensors(node):
-            self._pinned.append(t)
-            key = _storage_key(t)
-            if key not in self._excluded and key not in self._seen:
-                self._seen[key] = _storage_nbytes(t)
+            self._count(t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if not _lone_scalar(t):
+            self._count(t)
+        return t
+
+    def _count(self, t: torch.Tensor) -> None:
+        self._pinned.append(t)
+        key = _storage_key(t)
+        if key not in self._excluded and key not in self._seen:
+            self._seen[key] = _storage_nbytes(t)
 
     @property
     def bytes(self) -> int:

@@ -67,8 +67,13 @@ def _saved_tensor_hook_bytes(step, exclude) -> tuple[int, int]:
 
 
 @pytest.mark.filterwarnings("ignore:Attribute .net. is an instance")
+@pytest.mark.parametrize("torch_without_node_hooks", [False, True], ids=["node-creation hook", "torch before 2.14"])
 @pytest.mark.parametrize("family", PROBES)
-def test_the_meter_counts_what_saved_tensor_hooks_count_on_every_family_phantom_step(family):
+def test_the_meter_counts_what_saved_tensor_hooks_count_on_every_family_phantom_step(family, torch_without_node_hooks,
+                                                                                    monkeypatch):
+    """Through torch 2.14's node-creation hook, and through the saved-tensor hooks an older torch falls back on."""
+    if torch_without_node_hooks:
+        monkeypatch.delattr(torch.autograd.graph, "node_creation_hook", raising=False)
     torch.manual_seed(0)
     module, loss = PROBES[family](functools.partial(DEQ, backward="phantom", phantom_steps=2, tol=1e-10))
     params = [p for p in module.parameters() if p.requires_grad]
