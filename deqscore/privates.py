@@ -13,7 +13,8 @@ release that changes one fails there, naming it, rather than changing a run sile
 * :class:`~pytorch_lightning.callbacks.ModelCheckpoint`'s own save of ``last.ckpt``;
 * the trainer a LightningModule is attached to, or None;
 * ``CSVLogger``'s writer, made to continue an existing ``metrics.csv`` (:class:`AppendingCSVLogger`);
-* :class:`~pytorch_lightning.strategies.DDPStrategy`'s process-group timeout and DDP options;
+* :class:`~pytorch_lightning.strategies.DDPStrategy`'s process-group timeout and DDP options, and the launcher's
+  watch over a node's ranks (:func:`give_ranks_time_to_report`);
 * the hyper-parameters LightningCLI records (``_class_path``, ``_instantiator``) and the context that records them;
 * LightningCLI's private steps of a run, overridable here under public names (:class:`LightningCLIHooks`);
 * ``DataLoader._index_sampler``, where a loader draws a pass's indices (:class:`IndexSamplerLoader`).
@@ -23,12 +24,14 @@ from __future__ import annotations
 
 import csv
 import os
+import time
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
+from lightning_fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningCLI
 from pytorch_lightning.core.mixins.hparams_mixin import _given_hyperparameters_context
@@ -36,6 +39,7 @@ from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.loggers.csv_logs import ExperimentWriter
 from pytorch_lightning.loggers.logger import rank_zero_experiment
 from pytorch_lightning.strategies import DDPStrategy
+from pytorch_lightning.strategies.launchers import subprocess_script
 from torch.utils.data import DataLoader
 
 # ----- a checkpoint's loop state ------------------------------------------------------------------------------------
@@ -194,6 +198,37 @@ class AppendingCSVLogger(CSVLogger):
 def set_process_group_timeout(strategy: DDPStrategy, seconds: float) -> None:
     """The timeout of the process group ``strategy`` makes at the start of fit or test (read when it is made)."""
     strategy._timeout = timedelta(seconds=seconds)
+
+
+class PatientObserver(_ChildProcessObserver):
+    """Lightning's watch over the ranks a node's first process launched, which kills every process of the node
+    (SIGKILL) once it sees one of them exit with an error, made to wait ``grace_s`` first: the first process's own
+    collective fails a moment after the rank dies, and it says which rank was lost (:mod:`deqscore.cli.ranks`) and
+    exits. Killed at once, it died before saying so whenever it was slower than the watch's 5-second poll."""
+
+    grace_s = 30.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.failed_at: float | None = None
+
+    def _run(self) -> bool:
+        for proc in self._child_processes:
+            proc.poll()
+        if self.failed_at is None and any(proc.returncode for proc in self._child_processes):
+            self.failed_at = time.monotonic()
+        if self.failed_at is not None and time.monotonic() - self.failed_at < self.grace_s:
+            return False
+        return super()._run()
+
+
+def _launch_patient_observer(child_processes: list) -> None:
+    PatientObserver(child_processes=child_processes, main_pid=os.getpid()).start()
+
+
+def give_ranks_time_to_report() -> None:
+    """Make the DDP launcher watch its ranks with :class:`PatientObserver` (read when it launches them)."""
+    subprocess_script._launch_process_observer = _launch_patient_observer
 
 
 def finds_unused_parameters(strategy: DDPStrategy) -> bool:

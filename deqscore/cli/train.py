@@ -51,7 +51,7 @@ from ..lightning.runs import (
     run_id,
     truncate_log_after,
 )
-from ..privates import LightningCLIHooks, set_process_group_timeout
+from ..privates import LightningCLIHooks, give_ranks_time_to_report, set_process_group_timeout
 from .checkpoints import check_checkpoint, checkpoint_conflicts, place_in_checkpoint_run
 from .errors import UsageError, print_error, usage_error
 from .parser_errors import explain_refusal
@@ -212,6 +212,7 @@ class DeqscoreCLI(LightningCLIHooks):
         strategy = self.trainer.strategy
         if isinstance(strategy, DDPStrategy):  # read when the process group is made, at the start of fit/test
             set_process_group_timeout(strategy, self.config[subcommand].process_group_timeout)
+            give_ranks_time_to_report()
         try:
             self._run_in_run_dir(subcommand)
         except Exception as err:

@@ -38,3 +38,20 @@ class NonFiniteValidationOnRankOne(NICEModule):
         if not self.training and self.global_rank == 1 and self.global_step >= 1:
             terms["loss"] = terms["loss"] * math.nan
         return terms
+
+
+SLOW_S = 12.0  # more than two polls of Lightning's watch over the ranks (every 5 s)
+
+
+class RankOneDiesWhileRankZeroIsSlow(NICEModule):
+    """At global step 1, rank 1 exits with status 7 and rank 0 takes ``SLOW_S`` over its step before its next
+    collective (a loaded machine): rank 0 learns of the death only after that."""
+
+    def loss_terms(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.training and self.global_step == 1:
+            if self.global_rank == 1:
+                import os
+
+                os._exit(7)
+            time.sleep(SLOW_S)
+        return super().loss_terms(x)

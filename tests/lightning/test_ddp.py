@@ -10,6 +10,8 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
+from deqscore.privates import PatientObserver
+
 from .conftest import ROOT, tiny_args
 
 pytestmark = pytest.mark.xdist_group("processes")  # see the Makefile's test target
@@ -259,6 +261,36 @@ def test_a_killed_rank_is_named_and_the_run_resumes_exactly(tmp_path):
     assert resumed["global_step"] == straight["global_step"] == step + 4
     for key, value in straight["state_dict"].items():
         assert torch.equal(resumed["state_dict"][key], value), key
+
+
+def test_the_launchers_watch_gives_the_first_process_time_to_report():
+    """A launched rank that exits with an error: the watch kills the first process (here a stand-in) only once the
+    grace period has passed, which leaves the first process the time to name the lost rank; Lightning's own watch
+    kills it at its first look."""
+    failed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    failed.wait()
+    first = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        observer = PatientObserver(main_pid=first.pid, child_processes=[failed])
+        observer.grace_s = 1.0
+        assert observer._run() is False
+        time.sleep(0.5)
+        assert observer._run() is False and first.poll() is None
+        time.sleep(0.6)
+        assert observer._run() is True
+        assert first.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        first.kill()
+
+
+def test_a_rank_that_dies_while_the_first_is_slow_is_still_named(tmp_path):
+    """Rank 1 exits while rank 0 is busy for longer than the launcher's watch takes to see it (faults.py): rank 0
+    still names rank 1 in one line; the watch does not kill it first."""
+    args = ["train.py", "fit", *tiny_args(tmp_path, "configs/nice/explicit.yaml", "slow"), *DDP_CPU,
+            "--model.class_path", "tests.lightning.faults.RankOneDiesWhileRankZeroIsSlow", "--trainer.max_steps", "4"]
+    proc = _run(args, returncode=1)
+    lines = _errors(proc.stderr)
+    assert len(lines) == 1 and "rank 1 (pid" in lines[0] and "exited with status 7" in lines[0], proc.stderr[-3000:]
 
 
 def test_a_killed_rank_zero_is_named_by_the_rank_it_launched(tmp_path):
