@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -97,6 +98,21 @@ def code_version() -> dict | None:
     except (OSError, subprocess.CalledProcessError):
         return None
     return {"commit": commit, "uncommitted_changes": True, "changes_sha256": digest.hexdigest()}
+
+
+@functools.cache
+def committed_as(commit: str, changes_sha256: str) -> str | None:
+    """The commit after ``commit`` in this checkout's history whose code differs from ``commit`` by exactly the
+    uncommitted changes a run recorded (:func:`code_version`'s SHA-256 of them, no new files among them): the
+    commit that holds the code the run ran. None where none does, or git cannot tell."""
+    try:
+        for later in _git("rev-list", "--reverse", f"{commit}..HEAD").split():
+            diff = _git("diff", commit, later, "--", *CODE_PATHS)
+            if hashlib.sha256(diff.encode()).hexdigest() == changes_sha256:
+                return later
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return None
 
 
 def changed_code(commit: str, other: str) -> list[str] | None:

@@ -199,6 +199,58 @@ def test_the_verdicts_at_the_protocols_margin(tmp_path):
     assert f"| DKEF on UCI data | {V} | – | no comparison yet |" in text  # the summary says so
 
 
+def test_a_comparison_whose_arms_ran_on_different_devices_is_marked(tmp_path):
+    """NCSN's shallow network on a GPU, the DEQ's seeds partly on a CPU: both verdicts name the two devices (their
+    arithmetic differs); with every unit on the GPU, no mark."""
+    gpu = "cuda: NVIDIA H200"
+    for seed in range(5):
+        write_unit(tmp_path, "ncsn", "mnist", "explicit", seed, {"dsm_every_level": 170.0 + seed}, device=gpu)
+        write_unit(tmp_path, "ncsn", "mnist", "deq", seed, {"dsm_every_level": 170.5 + seed},
+                   device="cpu: test" if seed == 4 else gpu)
+    row = [line for line in report(tmp_path).splitlines() if "| deq vs explicit (shallow) |" in line][-1]
+    assert row.count(f"across devices (cpu: test; {gpu}): **") == 2, row
+    write_unit(tmp_path, "ncsn", "mnist", "deq", 4, {"dsm_every_level": 174.5}, device=gpu)
+    row = [line for line in report(tmp_path).splitlines() if "| deq vs explicit (shallow) |" in line][-1]
+    assert "across devices" not in row and "**" in row
+
+
+def test_a_run_of_uncommitted_code_names_the_commit_that_holds_it(tmp_path, monkeypatch):
+    """A run records commit A 'with uncommitted changes' (their SHA-256); later commits are an unrelated one and
+    then exactly those changes: the page names the latter. Other changes, or none committed, name none."""
+    import subprocess
+
+    from deqlab import measure
+
+    repo = tmp_path / "repo"
+    (repo / "deqscore").mkdir(parents=True)
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              capture_output=True, text=True, check=True).stdout
+
+    monkeypatch.setattr(measure, "_git", git)
+    measure.committed_as.cache_clear()
+    git("init", "-q")
+    (repo / "deqscore" / "a.py").write_text("x = 1\n")
+    git("add", "-A")
+    git("commit", "-qm", "A")
+    (repo / "deqscore" / "a.py").write_text("x = 2\n")
+    ran = measure.code_version()
+    assert ran["uncommitted_changes"]
+    label = tables.code_label(ran)
+    assert label == f"`{ran['commit'][:10]}`+"  # nothing holds the changes yet
+    (repo / "notes.md").write_text("unrelated\n")
+    git("add", "notes.md")
+    git("commit", "-qm", "B")
+    git("add", "-A")
+    git("commit", "-qm", "C")
+    holder = git("rev-parse", "HEAD").strip()
+    measure.committed_as.cache_clear()
+    assert tables.code_label(ran) == f"`{ran['commit'][:10]}`+ (= `{holder[:10]}`)"
+    assert measure.committed_as(ran["commit"], "0" * 64) is None
+    measure.committed_as.cache_clear()
+
+
 def test_a_seed_outside_the_protocol_is_refused_by_name(tmp_path, capsys):
     """An extra seed file (seed 7 of a 5-seed arm) moves a verdict as surely as a deleted one: the report names it
     and writes nothing."""
@@ -450,7 +502,8 @@ def test_a_unit_of_an_earlier_design_is_kept_beside_the_one_that_takes_its_place
 
 def test_code_is_alike_only_where_the_change_misses_the_familys_code(monkeypatch):
     """The same commit with the same uncommitted changes holds; other changes do not; between two clean commits,
-    a diff of another family's files or of the page's holds, and one of shared or the family's code does not."""
+    a diff of another family's files or of the page's holds, and one of shared or the family's code does not;
+    uncommitted changes that a later commit holds exactly are that commit."""
     names = list(FAMILIES)
     clean = {"commit": "a" * 40, "uncommitted_changes": False}
     edited = {"commit": "a" * 40, "uncommitted_changes": True, "changes_sha256": "1" * 64}
@@ -462,6 +515,11 @@ def test_code_is_alike_only_where_the_change_misses_the_familys_code(monkeypatch
                            (["deqscore/models/vae.py"], False), (["deqscore/deq/layer.py"], False), (None, False)):
         monkeypatch.setattr(core, "changed_code", lambda a, b, changed=changed: changed)
         assert core.code_alike(clean, other, "vae", names) == alike, changed
+    # a run of uncommitted changes that a later commit holds exactly counts as that commit; else as nothing
+    monkeypatch.setattr(core, "changed_code", lambda a, b: ["deqscore/deq/layer.py"])
+    for holder, alike in (("b" * 40, True), ("c" * 40, False), (None, False)):
+        monkeypatch.setattr(core, "committed_as", lambda commit, sha, holder=holder: holder)
+        assert core.code_alike(edited, other, "vae", names) == alike, holder
 
 
 @pytest.mark.parametrize("args, message", [

@@ -27,7 +27,7 @@ from deqscore.families import ROOT, declarations
 from deqscore.lightning.callbacks import read_metrics_csv
 
 from ..entries import Metric
-from ..measure import changed_code
+from ..measure import changed_code, committed_as
 from ..units import mean_stderr, recorded, repo_relative
 from .protocol import Protocol, ProtocolError
 
@@ -201,16 +201,26 @@ def outside_family(family: str, path: str, families: list[str]) -> bool:
         not any(part.startswith(family) for part in parts)
 
 
+def holding_commit(code: dict) -> str | None:
+    """The commit whose code a run ran: its commit, or where it had uncommitted changes, the later commit that holds
+    exactly those (:func:`~deqlab.measure.committed_as`); None where none does."""
+    if not code["uncommitted_changes"]:
+        return code["commit"]
+    return committed_as(code["commit"], code["changes_sha256"]) if code.get("changes_sha256") else None
+
+
 def code_alike(recorded: dict | None, running: dict | None, family: str, families: list[str]) -> bool:
     """Whether a unit recorded with code ``recorded`` holds for the ``running`` code: the same commit with the same
-    uncommitted changes (by hash), or clean commits whose difference touches none of the family's code."""
+    uncommitted changes (by hash), or commits holding both codes (:func:`holding_commit`) whose difference touches
+    none of the family's code."""
     if recorded is None or running is None:
         return False
     if recorded["commit"] == running["commit"]:
         return recorded.get("changes_sha256") == running.get("changes_sha256")
-    if recorded["uncommitted_changes"] or running["uncommitted_changes"]:
+    commits = holding_commit(recorded), holding_commit(running)
+    if None in commits:
         return False
-    changed = changed_code(recorded["commit"], running["commit"])
+    changed = [] if commits[0] == commits[1] else changed_code(*commits)
     return changed is not None and all(outside_family(family, f, families) for f in changed)
 
 

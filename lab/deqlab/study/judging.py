@@ -125,7 +125,8 @@ def defined_comparisons(family: Family, design: Protocol) -> list[tuple[str, str
 def comparisons(family: Family, design: Protocol, rules: Protocol, units: list[dict],
                 memory: dict[tuple[str, str], float | None]) -> list[dict]:
     """Every defined comparison that has units on both sides: the test at the protocol's margin (None with fewer
-    than two counted seeds a side), interim where an arm is short of its seeds, each arm's curve label, the DEQ's
+    than two counted seeds a side), interim where an arm is short of its seeds, the devices its units ran on (a
+    comparison across devices is marked: their arithmetic differs), each arm's curve label, the DEQ's
     activation memory as a fraction of the other's; Holm's verdicts added (:func:`apply_holm`)."""
     metric = family.judged(design)
     alpha = rules.text["rule"].get("holm", {}).get("alpha", ALPHA)
@@ -145,6 +146,7 @@ def comparisons(family: Family, design: Protocol, rules: Protocol, units: list[d
         ratio = memory.get((group, deq)), memory.get((group, other))
         out.append({"group": group, "deq": deq, "other": other, "role": family.variants[other].role, "test": test,
                     "margin": margin, "arms": arms, "interim": any(a["missing"] for a in arms),
+                    "devices": sorted({u["device"] for a in arms for u in a["counted"]}),
                     "labels": [curve_label(rules, units, group, v) for v in (deq, other)],
                     "memory_ratio": ratio[0] / ratio[1] if all(ratio) else None})
     apply_holm(out, len(defined_comparisons(family, design)), alpha)

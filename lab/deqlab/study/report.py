@@ -29,7 +29,7 @@ from .judging import (
     variant_of_role,
 )
 from .protocol import Protocol, ProtocolError
-from .tables import fmt, per_run_table, reruns_table, sample_grids, sampler_cost_table, trust_table
+from .tables import code_label, fmt, per_run_table, reruns_table, sample_grids, sampler_cost_table, trust_table
 
 __all__ = ["fmt", "load_units", "write_page"]
 
@@ -92,11 +92,7 @@ def recorded_under(units: list[dict], design: Protocol) -> str:
 
 def code_of(units: list[dict]) -> str:
     """The commits the units' code came from (``not recorded`` for units that predate the record)."""
-    def one(code: dict | None) -> str:
-        if code is None:
-            return "not recorded"
-        return f"`{code['commit'][:10]}`" + (" with uncommitted changes" if code["uncommitted_changes"] else "")
-    counts = Counter(one(u.get("code")) for u in units)
+    counts = Counter(code_label(u.get("code"), " with uncommitted changes") for u in units)
     return ", ".join(f"{what} ({n} unit{'s' if n > 1 else ''})" for what, n in sorted(counts.items()))
 
 
@@ -121,9 +117,10 @@ def seeds_cell(arm: dict) -> str:
 
 def verdict_cell(c: dict) -> tuple[str, str]:
     """The unadjusted verdict (with the power of an inconclusive one) and Holm's, each marked interim where an
-    arm is short of its protocol seeds."""
+    arm is short of its protocol seeds, and with the devices where its units ran on more than one."""
     test = c["test"]
-    interim = "interim: " if c["interim"] else ""
+    interim = ("interim: " if c["interim"] else "") + \
+        (f"across devices ({'; '.join(c['devices'])}): " if len(c["devices"]) > 1 else "")
     if test is None:
         why = "margin unknown" if c["margin"] is None else "fewer than two seeds a side"
         return f"**not judged** ({why})", "–"
@@ -238,7 +235,8 @@ def design_section(family: Family, design: Protocol, rules: Protocol, units: lis
     alpha = rules.text["rule"]["holm"]["alpha"]
     lines += [f"**The verdicts** ({family.judged(design).label}, margin {margin_text(family, design)}; Holm's "
               f"correction over the {len(defined_comparisons(family, design))} comparisons this design defines, "
-              f"familywise alpha {alpha}; interim: an arm short of its protocol seeds, not a result):", "",
+              f"familywise alpha {alpha}; interim: an arm short of its protocol seeds, not a result; across "
+              f"devices: its units ran on more than one device, whose arithmetic differs):", "",
               *pipe_table(COMPARISON_HEADER, rows), ""]
     by_group: dict[str, dict[str, dict]] = {}
     for s in summaries:

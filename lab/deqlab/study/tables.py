@@ -9,6 +9,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
+from ..measure import committed_as
 from ..report import pipe_table
 from .core import Family, Metric, rerun_path, value_of, without_protocol
 from .judging import exclusion
@@ -92,12 +93,23 @@ def backward_of(unit: dict) -> str:
     return "implicit" if implicit else "phantom"
 
 
+def code_label(code: dict | None, changes: str = "+") -> str:
+    """A unit's code: its commit, with ``changes`` where the checkout had uncommitted changes, and the later
+    commit that holds exactly those changes where one does (:func:`~deqlab.measure.committed_as`)."""
+    if code is None:
+        return "not recorded"
+    text = f"`{code['commit'][:10]}`"
+    if code["uncommitted_changes"]:
+        later = committed_as(code["commit"], code["changes_sha256"]) if code.get("changes_sha256") else None
+        text += changes + (f" (= `{later[:10]}`)" if later else "")
+    return text
+
+
 def provenance(unit: dict) -> list[str]:
     """Protocol, code, threads, torch, start and hours of one unit ('–' where the unit predates the record); a
     unit that continued a stopped run says from which step (its start and hours are those of the launch that
     finished it)."""
-    code = unit.get("code")
-    commit = "–" if code is None else f"`{code['commit'][:10]}`" + ("+" if code["uncommitted_changes"] else "")
+    commit = "–" if unit.get("code") is None else code_label(unit["code"])
     start, end = unit.get("started"), unit.get("ended")
     hours = "–"
     if start and end:
@@ -113,7 +125,8 @@ def per_run_table(family: Family, units: list[dict], rules: Protocol) -> list[st
     and its provenance."""
     keys = [m.key for m in family.metrics]
     header = ["data", "variant", "seed", *keys, "solver iterations", "gradient error", "counted", "protocol",
-              "commit (+: uncommitted changes)", "threads", "torch", "device", "started (UTC)", "hours"]
+              "commit (+: uncommitted changes; =: the commit that holds them)", "threads", "torch", "device",
+              "started (UTC)", "hours"]
     rows = []
     for u in units:
         cells = [fmt(value_of(u, k)) + spread(u, k) for k in keys]
