@@ -1,4 +1,7 @@
-# The image families' study units on the lent machine (python3's torch, 16 cores, one thread a unit process)
+# The image families' study units on the lent machine (python3's torch, 16 cores, one thread a unit process).
+# Before the call, move benchmarks/results aside but for its study/ folder (the 64 MiB a call carries); the units
+# are recorded in benchmarks/results/study as the study records them (recorded ones are read back) and come back
+# in units.tgz: unpack it in the repository's root.
 date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpurun/whl/*.whl || exit 3
 export PYTHONPATH=/tmp/site:$PWD:$PWD/lab PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
@@ -10,5 +13,6 @@ sd = torch.load('.gpurun/inc/inception_fp16.pth')
 torch.save({k: (v.float() if v.is_floating_point() else v) for k, v in sd.items()}, hub / 'weights-inception-2015-12-05-6726825d.pth')
 print('inception: float16 upcast to float32,', len(sd), 'tensors; torch', torch.__version__)"
 git log --oneline -1; git status --porcelain -- deqscore lab configs train.py sample.py | head
-python3 .gpurun/images.py --jobs ${JOBS:-16} --deadline ${DEADLINE:-430} --grace ${GRACE:-90} --logs /tmp/unit_logs -- --out /tmp/study/out --runs-root /tmp/study/runs 2>&1 | tee $OUT/driver.txt
-tar czf $OUT/units.tgz -C /tmp/study out; tar czf $OUT/logs.tgz -C /tmp unit_logs; ls -la $OUT; date -u
+python3 .gpurun/images.py --jobs ${JOBS:-16} --deadline ${DEADLINE:-430} --grace ${GRACE:-90} --logs /tmp/unit_logs -- --out benchmarks/results/study --runs-root /tmp/study/runs 2>&1 | tee $OUT/driver.txt
+tar czf $OUT/units.tgz benchmarks/results/study/ncsn benchmarks/results/study/edm
+tar czf $OUT/logs.tgz -C /tmp unit_logs; ls -la $OUT; date -u
