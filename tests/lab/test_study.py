@@ -735,3 +735,61 @@ def test_the_judged_and_the_control_metric_are_the_protocol_entrys():
     assert ncsn.control(Entry({"metric": "fid"})).key == "fid"
     with pytest.raises(ValueError, match="the ncsn study has no metric 'nll'"):
         ncsn.judged(Entry({"metric": "nll"}))
+
+
+def test_jobs_tune_each_arm_first_then_run_its_units_seed_by_seed():
+    import argparse
+
+    from deqlab.study import parallel, program
+
+    parser = argparse.ArgumentParser()
+    program.add_arguments(parser)
+    args = parser.parse_args(["--family", "ncsn", "--variants", "explicit,untrained", "--seeds", "0,1"])
+    jobs = parallel.jobs_of(program.plan_of(parser, args, PROTOCOL))
+    rates = PROTOCOL.family("ncsn")["learning_rate"]["grid"]
+    tunings = [f"tune ncsn mnist explicit {rate!r}" for rate in rates]
+    assert [job.name for job in jobs] == [*tunings, "ncsn mnist explicit s0", "ncsn mnist untrained s0",
+                                          "ncsn mnist explicit s1", "ncsn mnist untrained s1"]
+    assert [job.waits for job in jobs[len(rates):]] == [tunings, [], tunings, []]  # the control waits for nothing
+    assert jobs[0].arguments == ["--family", "ncsn", "--groups", "mnist", "--variants", "explicit", "--tune-rate",
+                                 repr(rates[0])]
+    assert jobs[-1].arguments[-2:] == ["--seeds", "1"]
+
+
+@pytest.mark.xdist_group("processes")
+def test_units_run_in_parallel_processes_record_what_one_process_records(tmp_path):
+    """--jobs 2: each rate's tuning runs in a process of their own, then each unit in one; every unit and tuning
+    run records what the same study records in one process, bit for bit (one thread each), the rate its arm's
+    validation chose included."""
+    family, (options, fit) = FAMILIES["dkef"], fixture_file("dkef").STUDY_TINY
+
+    def study(folder: str, *more: str) -> list[dict]:
+        return main(["study", "--family", "dkef", "--variants", "explicit", "--budget", str(2 / family.iterations),
+                     "--runs-root", str(tmp_path / folder / "runs"), "--out", str(tmp_path / folder / "out"),
+                     *options, "--seeds", "0,1", *more, "--extra", *QUIET, *fit])["dkef"]
+
+    one, many = study("one"), study("many", "--jobs", "2")
+    assert [u["seed"] for u in one] == [u["seed"] for u in many] == [0, 1]
+    for a, b in zip(one, many, strict=True):
+        assert a["fit"] == b["fit"] and a["value"]["metrics"] == b["value"]["metrics"]
+    tuning = [tmp_path / folder / "out" / "dkef" / "redwine" / "tuning" for folder in ("one", "many")]
+    names = sorted(p.name for p in tuning[0].glob("*.json"))
+    assert len(names) == 3 and names == sorted(p.name for p in tuning[1].glob("*.json"))
+    for name in names:
+        assert json.loads((tuning[0] / name).read_text())["value"]["validation"] == \
+            json.loads((tuning[1] / name).read_text())["value"]["validation"]
+    assert len(list((tmp_path / "many" / "runs" / "jobs").glob("*.log"))) == 3 + 2
+
+
+@pytest.mark.xdist_group("processes")
+def test_a_failed_job_ends_the_call_with_one_line_naming_it_and_its_arms_units_never_start(tmp_path, capsys):
+    family, options = FAMILIES["dkef"], fixture_file("dkef").STUDY_TINY[0]
+    with pytest.raises(SystemExit) as stop:
+        main(["study", "--family", "dkef", "--variants", "explicit", "--budget", str(2 / family.iterations),
+              "--runs-root", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), *options, "--jobs", "2",
+              "--extra", "--trainer.max_stepz=3"])
+    logs = tmp_path / "runs" / "jobs"
+    assert str(stop.value) == (f"study: 3 of 4 jobs failed (tune dkef redwine explicit 0.001, tune dkef redwine "
+                               f"explicit 0.003, tune dkef redwine explicit 0.01); their output is in {logs}")
+    assert "skipped  dkef redwine explicit s0 (its arm's tuning failed)" in capsys.readouterr().out
+    assert "max_stepz" in (logs / "tune_dkef_redwine_explicit_0.001.log").read_text()

@@ -155,6 +155,10 @@ class UnitSettings:
         return self.protocol.governs(unit) and without_protocol(unit["settings"]) == without_protocol(mine)
 
 
+# (family, groups, the seeds of each variant to run, the settings its units share): what one study call runs
+Plan = list[tuple[Family, list[str], dict[str, list[int]], UnitSettings]]
+
+
 def without_protocol(settings: dict[str, Any]) -> dict[str, Any]:
     """A unit's settings less the protocol stamp: what units of one table share, whichever version they ran
     under (the protocol has vouched for each)."""

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 
 import torch
 
 from ..measure import code_version, environment
-from .core import Family, UnitSettings, import_run_code, run_unit
+from .core import Family, Plan, UnitSettings, import_run_code, rerun_path, run_unit, unit_path
 from .families import families
+from .parallel import jobs_of, run_jobs
 from .protocol import Protocol, ProtocolError, load
 from .report import write_page
-from .tuning import chosen_rate
+from .tuning import chosen_rate, tuning_rule, tuning_runs
 
 
 def chosen(parser: argparse.ArgumentParser, key: str, text: str, known: dict | list) -> list[str]:
@@ -42,10 +44,6 @@ def evaluation_of(parser: argparse.ArgumentParser, protocol: Protocol, family: F
             if accepted is not None and evaluation[key] not in accepted:
                 parser.error(f"--set {pair}: {key} takes one of {', '.join(accepted)}")
     return evaluation
-
-
-# (family, groups, the seeds of each variant to run, the settings its units share)
-Plan = list[tuple[Family, list[str], dict[str, list[int]], UnitSettings]]
 
 
 def seeds_of(parser: argparse.ArgumentParser, text: str) -> list[int] | None:
@@ -88,15 +86,22 @@ def units_in_order(groups: list[str], seeds: dict[str, list[int]]) -> list[tuple
             for variant, chosen_seeds in seeds.items() if seed in chosen_seeds]
 
 
-def run_plan(plan: Plan, runs_root: Path, out: Path, kind: str) -> dict[str, list[dict]]:
+def run_plan(plan: Plan, runs_root: Path, out: Path, kind: str, tune_rate: float | None = None
+             ) -> dict[str, list[dict]]:
     """Every unit of ``plan`` in order (:func:`units_in_order`), each arm's learning rate chosen first
-    (:func:`.tuning.chosen_rate`); ``kind``: ``unit``, or ``rerun`` to record them again under ``reruns/``."""
+    (:func:`.tuning.chosen_rate`); ``kind``: ``unit``, or ``rerun`` to record them again under ``reruns/``. With
+    ``tune_rate``, only the tuned arms' tuning runs at that rate (a job of :mod:`.parallel`)."""
     device = environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     facts = {"device": device["device"], "code": code_version(), "threads": torch.get_num_threads(),
              "torch": torch.__version__}
     results: dict[str, list[dict]] = {}
     for family, groups, seeds, settings in plan:
         results[family.name] = []
+        if tune_rate is not None:
+            for group, variant in [(g, v) for g in groups for v in seeds if tuning_rule(family, v, settings)]:
+                results[family.name] += tuning_runs(family, group, variant, tune_rate, settings, runs_root, out,
+                                                    facts)
+            continue
         for group, variant, seed in units_in_order(groups, seeds):
             rate = chosen_rate(family, group, variant, settings, runs_root, out, facts)
             results[family.name].append(run_unit(family, group, variant, seed, settings, runs_root, out, facts,
@@ -122,7 +127,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="train every arm at its config's learning rate, without the protocol's tuning (a trial)")
     parser.add_argument("--rerun", action="store_true",
                         help="run the named units again, recorded under <data>/reruns/ (the run-to-run spread)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="units run at once, each in a process of its own (default 1: one after another)")
+    parser.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
+                        help="with --jobs: start no job after this many seconds (the ones under way finish)")
+    parser.add_argument("--tune-rate", type=float, default=None, help=argparse.SUPPRESS)  # a job of --jobs
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="arguments passed to every fit")
+
+
+def shared_arguments(args: argparse.Namespace) -> list[str]:
+    """The options of ``args`` that every job of ``--jobs`` takes as they are (``--extra`` last)."""
+    shared = ["--runs-root", args.runs_root, "--out", args.out]
+    shared += ["--protocol", args.protocol] if args.protocol else []
+    shared += ["--budget", repr(args.budget)] if args.budget is not None else []
+    shared += [a for pair in args.set for a in ("--set", pair)]
+    shared += ["--config-rates"] if args.config_rates else []
+    shared += ["--rerun"] if args.rerun else []
+    return shared + (["--extra", *args.extra] if args.extra else [])
+
+
+def run_in_processes(plan: Plan, args: argparse.Namespace) -> dict[str, list[dict]]:
+    """The units of ``plan`` in ``args.jobs`` processes (:mod:`.parallel`), read back from their files; a job that
+    failed ends the call with one line naming it and its log."""
+    log_dir = Path(args.runs_root) / "jobs"
+    ended = run_jobs(jobs_of(plan), shared_arguments(args), args.jobs, log_dir, args.stop_after)
+    failed = [name for name, code in ended.items() if code not in (0, None)]
+    if failed:
+        raise SystemExit(f"study: {len(failed)} of {len(ended)} jobs failed ({', '.join(failed)}); their output is "
+                         f"in {log_dir}")
+    kind = "rerun" if args.rerun else "unit"
+    results: dict[str, list[dict]] = {}
+    for family, groups, seeds, _ in plan:
+        paths = [unit_path(Path(args.out), family.name, g, v, s) for g, v, s in units_in_order(groups, seeds)]
+        paths = [rerun_path(p) if kind == "rerun" else p for p in paths]
+        results[family.name] = [json.loads(p.read_text()) for p in paths if p.exists()]
+    return results
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, list[dict]]:
@@ -138,6 +177,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, 
     except ProtocolError as err:
         parser.error(str(err))
     plan = plan_of(parser, args, protocol)
+    if args.jobs < 1:
+        parser.error(f"--jobs: a number of processes, at least 1, got {args.jobs}")
     out = Path(args.out)
     threads = torch.get_num_threads()
     if plan:
@@ -145,7 +186,10 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, 
         if protocol.text.get("threads"):  # a unit's numbers depend on the thread count: the protocol fixes it
             torch.set_num_threads(protocol.text["threads"])
     try:
-        results = run_plan(plan, Path(args.runs_root), out, "rerun" if args.rerun else "unit")
+        if args.jobs > 1 and plan:
+            results = run_in_processes(plan, args)
+        else:
+            results = run_plan(plan, Path(args.runs_root), out, "rerun" if args.rerun else "unit", args.tune_rate)
     except ProtocolError as err:  # a recorded unit that cannot be kept: nothing moved, one line
         parser.error(str(err))
     finally:

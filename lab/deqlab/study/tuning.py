@@ -37,17 +37,31 @@ def tuned(family: Family, name: str) -> bool:
     return variant.trained and variant.role != "classical"
 
 
-def chosen_rate(family: Family, group: str, name: str, settings: UnitSettings, runs_root: Path, out: Path,
-                facts: dict[str, Any]) -> tuple[str, float] | None:
-    """(option, rate) of the arm's learning rate, its tuning runs run or read back; None where the protocol has no
-    rule, the family no grid, the settings do not tune, or the arm is not tuned (:func:`tuned`)."""
+def tuning_rule(family: Family, name: str, settings: UnitSettings) -> dict[str, Any] | None:
+    """The family's learning-rate rule where the arm is tuned; None where the protocol has no rule, the family no
+    grid, the settings do not tune, or the arm is not tuned (:func:`tuned`)."""
     rule = settings.protocol.family(family.name).get("learning_rate")
     if settings.learning_rate != "tuned" or rule is None or not tuned(family, name):
         return None
-    figures: dict[float, list[float]] = {}
-    for rate in rule["grid"]:
-        for seed in settings.protocol.text["learning_rate"]["tuning_seeds"]:
-            unit = run_unit(family, group, name, seed, settings, runs_root, out, facts,
-                            learning_rate=(rule["option"], rate), kind="tuning")
-            figures.setdefault(rate, []).append(validation_figure(unit, rule))
+    return rule
+
+
+def tuning_runs(family: Family, group: str, name: str, rate: float, settings: UnitSettings, runs_root: Path,
+                out: Path, facts: dict[str, Any]) -> list[dict]:
+    """The arm's tuning runs at one rate of its grid (one per tuning seed), run or read back."""
+    option = settings.protocol.family(family.name)["learning_rate"]["option"]
+    return [run_unit(family, group, name, seed, settings, runs_root, out, facts, learning_rate=(option, rate),
+                     kind="tuning") for seed in settings.protocol.text["learning_rate"]["tuning_seeds"]]
+
+
+def chosen_rate(family: Family, group: str, name: str, settings: UnitSettings, runs_root: Path, out: Path,
+                facts: dict[str, Any]) -> tuple[str, float] | None:
+    """(option, rate) of the arm's learning rate, its tuning runs run or read back; None where the arm is not
+    tuned (:func:`tuning_rule`)."""
+    rule = tuning_rule(family, name, settings)
+    if rule is None:
+        return None
+    figures = {rate: [validation_figure(unit, rule) for unit in
+                      tuning_runs(family, group, name, rate, settings, runs_root, out, facts)]
+               for rate in rule["grid"]}
     return rule["option"], best_rate(figures, rule["better"])

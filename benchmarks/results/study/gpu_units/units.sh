@@ -13,6 +13,11 @@ sd = torch.load('.gpurun/inc/inception_fp16.pth')
 torch.save({k: (v.float() if v.is_floating_point() else v) for k, v in sd.items()}, hub / 'weights-inception-2015-12-05-6726825d.pth')
 print('inception: float16 upcast to float32,', len(sd), 'tensors; torch', torch.__version__)"
 git log --oneline -1; git status --porcelain -- deqscore lab configs train.py sample.py | head
-python3 .gpurun/images.py --jobs ${JOBS:-16} --deadline ${DEADLINE:-430} --grace ${GRACE:-90} --logs /tmp/unit_logs -- --out benchmarks/results/study --runs-root /tmp/study/runs 2>&1 | tee $OUT/driver.txt
+STUDY="python3 -m deqlab study --out benchmarks/results/study --runs-root /tmp/study/runs"
+timeout -s INT ${LIMIT:-540} $STUDY --family ncsn,edm --jobs ${JOBS:-15} --stop-after ${STOP:-420} 2>&1 | tee $OUT/driver.txt &
+# the run-to-run spread, once the shallow networks' tuning is recorded (about 4 minutes in: read back, not run again)
+(sleep 240; timeout -s INT $((${LIMIT:-540} - 240)) $STUDY --family ncsn,edm --variants explicit --seeds 0 --rerun \
+    > $OUT/rerun.txt 2>&1) &
+wait
 tar czf $OUT/units.tgz benchmarks/results/study/ncsn benchmarks/results/study/edm
-tar czf $OUT/logs.tgz -C /tmp unit_logs; ls -la $OUT; date -u
+tar czf $OUT/logs.tgz -C /tmp/study/runs jobs; ls -la $OUT; date -u
