@@ -533,6 +533,7 @@ def test_code_is_alike_only_where_the_change_misses_the_familys_code(monkeypatch
     (["--family", "ncsn", "--set", "weights=ema"], "--set weights=ema: weights takes one of trained, averaged"),
     (["--family", "dkef", "--set", "log_z_proposal=flow"], "log_z_proposal takes one of gaussian, mixture"),
     (["--family", "nice", "--seeds", ","], "--seeds takes comma-separated integers"),
+    (["--family", "nice", "--jobs", "0"], "--jobs: a number of processes, at least 1, got 0"),
     (["--family", "dkef,nice", "--groups", "redwine"], "--groups: unknown ['redwine']; choose from mnist"),
     ([], "name the families to run"),
     (["--report"], "no unit files (<family>/<data>/<variant>_s<seed>.json) to report on"),
