@@ -37,11 +37,15 @@ def tune(family_name: str, variant: str, rate: float, study_args: list[str]) -> 
                  learning_rate=(rule["option"], rate), kind="tuning")
 
 
-def jobs(study_args: list[str]) -> list[tuple[str, list[str], list[str]]]:
-    """(name, command, names it waits for), in start order."""
+ARMS = {"ncsn": {"explicit": 5, "deq": 5, "ncsnv2": 3, "untrained": 3}, "edm": {"explicit": 5, "deq": 5, "untrained": 3}}
+
+
+def jobs(study_args: list[str], only: str = "", reruns: bool = True) -> list[tuple[str, list[str], list[str]]]:
+    """(name, command, names it waits for), in start order; ``only``: comma-separated family:variant arms."""
     grid = [0.0001, 0.0003, 0.001]
-    arms = {"ncsn": {"explicit": 5, "deq": 5, "ncsnv2": 3, "untrained": 3},
-            "edm": {"explicit": 5, "deq": 5, "untrained": 3}}
+    chosen = {tuple(a.split(":")) for a in only.split(",") if a}
+    arms = {f: {v: n for v, n in vs.items() if not chosen or (f, v) in chosen} for f, vs in ARMS.items()}
+    arms = {f: vs for f, vs in arms.items() if vs}
     me = [sys.executable, __file__]
     study = [sys.executable, "-m", "deqlab", "study"]
     out = []
@@ -50,7 +54,7 @@ def jobs(study_args: list[str]) -> list[tuple[str, list[str], list[str]]]:
             if variant != "untrained":
                 out += [(f"tune {family} {variant} {r}", [*me, "--tune", family, variant, str(r), "--", *study_args],
                          []) for r in grid]
-    untrained = [(f, s) for f in arms for s in range(arms[f]["untrained"])]
+    untrained = [(f, s) for f in arms for s in range(arms[f].get("untrained", 0))]
     for seed in range(5):
         if seed == 2:  # the controls after two seeds of every trained arm
             out += [(f"{f} untrained s{s}", [*study, "--family", f, "--variants", "untrained", "--seeds", str(s),
@@ -62,8 +66,8 @@ def jobs(study_args: list[str]) -> list[tuple[str, list[str], list[str]]]:
                     out.append((f"{family} {variant} s{seed}",
                                 [*study, "--family", family, "--variants", variant, "--seeds", str(seed),
                                  *study_args], waits))
-        if seed == 0:
-            for family in arms:
+        if seed == 0 and reruns:
+            for family in [f for f in arms if "explicit" in arms[f]]:
                 out.append((f"{family} rerun explicit s0", [*study, "--family", family, "--variants", "explicit",
                                                             "--seeds", "0", "--rerun", *study_args],
                             [f"tune {family} explicit {r}" for r in grid]))
@@ -77,6 +81,8 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=480)
     parser.add_argument("--grace", type=float, default=60)
     parser.add_argument("--logs", default="/tmp/unit_logs")
+    parser.add_argument("--only", default="", help="comma-separated family:variant arms (default: every arm)")
+    parser.add_argument("--no-reruns", action="store_true")
     parser.add_argument("study", nargs="*")
     args = parser.parse_args()
     if args.tune:
@@ -85,7 +91,7 @@ def main() -> None:
         return
     start = time.time()
     Path(args.logs).mkdir(parents=True, exist_ok=True)
-    pending, running, done = jobs(args.study), {}, {}
+    pending, running, done = jobs(args.study, args.only, not args.no_reruns), {}, {}
     while pending or running:
         for name, proc in list(running.items()):
             if proc.poll() is not None:
