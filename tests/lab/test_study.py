@@ -792,5 +792,7 @@ def test_a_failed_job_ends_the_call_with_one_line_naming_it_and_its_arms_units_n
     logs = tmp_path / "runs" / "jobs"
     assert str(stop.value) == (f"study: 3 of 4 jobs failed (tune dkef redwine explicit 0.001, tune dkef redwine "
                                f"explicit 0.003, tune dkef redwine explicit 0.01); their output is in {logs}")
-    assert "skipped  dkef redwine explicit s0 (its arm's tuning failed)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "skipped  dkef redwine explicit s0 (its arm's tuning failed)" in printed
+    assert "[study] 1 of 4 jobs not started" in printed
     assert "max_stepz" in (logs / "tune_dkef_redwine_explicit_0.001.log").read_text()

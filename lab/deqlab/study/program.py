@@ -152,6 +152,9 @@ def run_in_processes(plan: Plan, args: argparse.Namespace) -> dict[str, list[dic
     log_dir = Path(args.runs_root) / "jobs"
     ended = run_jobs(jobs_of(plan), shared_arguments(args), args.jobs, log_dir, args.stop_after)
     failed = [name for name, code in ended.items() if code not in (0, None)]
+    if unstarted := [name for name, code in ended.items() if code is None]:
+        print(f"[study] {len(unstarted)} of {len(ended)} jobs not started (--stop-after passed, or their arm's "
+              f"tuning failed): run the same command again to continue", flush=True)
     if failed:
         raise SystemExit(f"study: {len(failed)} of {len(ended)} jobs failed ({', '.join(failed)}); their output is "
                          f"in {log_dir}")
