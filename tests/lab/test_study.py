@@ -796,3 +796,22 @@ def test_a_failed_job_ends_the_call_with_one_line_naming_it_and_its_arms_units_n
     assert "skipped  dkef redwine explicit s0 (its arm's tuning failed)" in printed
     assert "[study] 1 of 4 jobs not started" in printed
     assert "max_stepz" in (logs / "tune_dkef_redwine_explicit_0.001.log").read_text()
+
+
+def test_jobs_wait_for_what_they_need_and_share_the_gpus(tmp_path, monkeypatch):
+    """The scheduler alone, on stand-in jobs: at most two at once, each with the shared options; a job waits for
+    its tuning and is skipped (not started) where that failed; with two GPUs, each job sees the least used one."""
+    import sys
+
+    from deqlab.study.parallel import Job, run_jobs
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    program = [sys.executable, "-c", "import os, sys, time; time.sleep(0.3); "
+               "print(os.environ.get('CUDA_VISIBLE_DEVICES'), sys.argv[1:]); sys.exit(3 if 'bad' in sys.argv else 0)"]
+    jobs = [Job("a", ["x"]), Job("b", ["bad"]), Job("c", ["z"], waits=["a"]), Job("d", ["w"], waits=["b"])]
+    ended = run_jobs(jobs, ["--shared"], 2, tmp_path / "logs", gpus=2, program=program)
+    assert ended == {"a": 0, "b": 3, "c": 0, "d": None}
+    logs = {name: (tmp_path / "logs" / f"{name}.log").read_text().strip() for name in "abc"}
+    assert logs == {"a": "0 ['x', '--shared']", "b": "1 ['bad', '--shared']", "c": "0 ['z', '--shared']"}
+    ended = run_jobs(jobs[:1], [], 2, tmp_path / "one", program=program)  # one GPU or none: left as it is
+    assert ended == {"a": 0} and (tmp_path / "one" / "a.log").read_text().strip() == "None ['x']"

@@ -6,11 +6,13 @@ own, ``python -m deqlab study`` with one data set, variant and seed, which reads
 start seed by seed, every unit of an arm after its arm's tuning; an untuned arm (a control) waits for nothing. A
 process records exactly what the same unit records in one process, and what is recorded is read back as always:
 a call that stopped continues where it stopped. ``--stop-after`` starts no job after that many seconds (the ones
-under way finish), to fit a lease of a machine; each job's output is in ``<runs-root>/jobs/``.
+under way finish), to fit a lease of a machine; each job's output is in ``<runs-root>/jobs/``. On a machine with
+several GPUs, each job sees one of them.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -46,14 +48,19 @@ def jobs_of(plan: Plan) -> list[Job]:
     return tunings + [job for _, job in sorted(units, key=lambda pair: pair[0])]
 
 
-def run_jobs(jobs: list[Job], shared: list[str], processes: int, log_dir: Path,
-             stop_after: float | None = None) -> dict[str, int | None]:
-    """Run ``jobs`` (each with the options ``shared``, which end with ``--extra`` where given) at most
-    ``processes`` at once; each job's return code, None for one not started (its tuning failed, or
-    ``stop_after`` passed). Progress, one line a job, on stdout."""
+STUDY = [sys.executable, "-m", "deqlab", "study"]
+
+
+def run_jobs(jobs: list[Job], shared: list[str], processes: int, log_dir: Path, stop_after: float | None = None,
+             gpus: int = 0, program: list[str] = STUDY) -> dict[str, int | None]:
+    """Run ``jobs`` (each ``program`` with its arguments and the options ``shared``, which end with ``--extra``
+    where given) at most ``processes`` at once; each job's return code, None for one not started (its tuning
+    failed, or ``stop_after`` passed). With several ``gpus``, each job sees one (``CUDA_VISIBLE_DEVICES``), the one
+    that the fewest running jobs use. Progress, one line a job, on stdout."""
     log_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     pending, running, ended = list(jobs), {}, {}
+    on_gpu: dict[str, int] = {}
 
     def say(what: str, name: str) -> None:
         print(f"[study] {time.monotonic() - start:7.0f} s  {what:<8} {name}", flush=True)
@@ -62,6 +69,7 @@ def run_jobs(jobs: list[Job], shared: list[str], processes: int, log_dir: Path,
         for name, (proc, log) in list(running.items()):
             if proc.poll() is not None:
                 log.close()
+                on_gpu.pop(name, None)
                 ended[name] = proc.returncode
                 say("done" if proc.returncode == 0 else f"rc {proc.returncode}", name)
                 del running[name]
@@ -75,9 +83,13 @@ def run_jobs(jobs: list[Job], shared: list[str], processes: int, log_dir: Path,
                 say("skipped", f"{job.name} (its arm's tuning failed)")
             elif all(w in ended for w in job.waits):
                 log = (log_dir / (job.name.replace(" ", "_") + ".log")).open("w")
-                command = [sys.executable, "-m", "deqlab", "study", *job.arguments, *shared]
-                running[job.name] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), log)
+                env = None
+                if gpus > 1:
+                    on_gpu[job.name] = min(range(gpus), key=lambda g: (list(on_gpu.values()).count(g), g))
+                    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(on_gpu[job.name])}
+                running[job.name] = (subprocess.Popen([*program, *job.arguments, *shared], stdout=log,
+                                                      stderr=subprocess.STDOUT, env=env), log)
                 pending.remove(job)
-                say("start", job.name)
+                say("start", job.name + (f" (GPU {on_gpu[job.name]})" if job.name in on_gpu else ""))
         time.sleep(0.5)
     return {job.name: ended.get(job.name) for job in jobs}

@@ -150,7 +150,8 @@ def run_in_processes(plan: Plan, args: argparse.Namespace) -> dict[str, list[dic
     """The units of ``plan`` in ``args.jobs`` processes (:mod:`.parallel`), read back from their files; a job that
     failed ends the call with one line naming it and its log."""
     log_dir = Path(args.runs_root) / "jobs"
-    ended = run_jobs(jobs_of(plan), shared_arguments(args), args.jobs, log_dir, args.stop_after)
+    ended = run_jobs(jobs_of(plan), shared_arguments(args), args.jobs, log_dir, args.stop_after,
+                     gpus=torch.cuda.device_count())
     failed = [name for name, code in ended.items() if code not in (0, None)]
     if unstarted := [name for name, code in ended.items() if code is None]:
         print(f"[study] {len(unstarted)} of {len(ended)} jobs not started (--stop-after passed, or their arm's "
