@@ -5,16 +5,7 @@
 # (the 64 MiB a call carries: the study folder alone); after it:
 #   rm -rf benchmarks/results && git checkout -q -f main && tar xzf /work/.device/<n>/units.tgz
 # .gpurun/images.py only runs with 6bb1ef6's lab (it has no --jobs of its own); ONLY picks the arms.
-date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpurun/whl/*.whl || exit 3
-export PYTHONPATH=/tmp/site:$PWD:$PWD/lab PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
-mkdir -p datasets && cp -r .gpurun/MNIST datasets/
-python3 -c "
-import torch, pathlib
-hub = pathlib.Path(torch.hub.get_dir()) / 'checkpoints'; hub.mkdir(parents=True, exist_ok=True)
-sd = torch.load('.gpurun/inc/inception_fp16.pth')
-torch.save({k: (v.float() if v.is_floating_point() else v) for k, v in sd.items()}, hub / 'weights-inception-2015-12-05-6726825d.pth')
-print('inception: float16 upcast to float32,', len(sd), 'tensors; torch', torch.__version__)"
+source .gpurun/setup.sh || exit 3
 git log --oneline -1; git status --porcelain -- deqscore lab configs train.py sample.py | head
 python3 .gpurun/images.py --only ${ONLY:-ncsn:deq,edm:explicit,edm:deq} --jobs ${JOBS:-16} --deadline ${DEADLINE:-430} \
     --grace ${GRACE:-90} --logs /tmp/unit_logs -- --out benchmarks/results/study --runs-root /tmp/study/runs 2>&1 | tee $OUT/driver.txt
