@@ -19,6 +19,7 @@ Being the module's own callbacks, they also run for trainers built in Python, no
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from ..data.protocol import EpochData
 from ..deq import DEQ, restore_warm_starts, set_aside_warm_starts
 from ..errors import ConfigError
 from ..losses import Loss
-from ..metrics import parameter_count, step_activation_bytes
+from ..metrics import UnmeasurableStep, parameter_count, step_activation_bytes
 from ..privates import (
     batches_that_stepped,
     complete_finished_epoch,
@@ -210,8 +211,11 @@ class RunFacts(pl.Callback):
             loss = module.loss_terms(module.prepare_batch(x))["loss"]
             torch.autograd.grad(loss, params, allow_unused=True)
 
-        saved = step_activation_bytes(step, module)
-        facts = {"run/parameters": float(parameter_count(module)), "run/activation_memory_mb": saved / 2**20}
+        facts = {"run/parameters": float(parameter_count(module))}
+        try:
+            facts["run/activation_memory_mb"] = step_activation_bytes(step, module) / 2**20
+        except UnmeasurableStep as err:  # the run trains all the same, without the figure
+            warnings.warn(f"run/activation_memory_mb is not logged: {err}", stacklevel=2)
         if x.is_cuda:
             facts["run/max_memory_allocated_mb"] = torch.cuda.max_memory_allocated(x.device) / 2**20
         losses = {k: repr(v) for k, v in vars(module).items() if isinstance(v, Loss)}

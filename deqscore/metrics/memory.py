@@ -64,6 +64,16 @@ def _storage_nbytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
 
 
+class UnmeasurableStep(RuntimeError):
+    """A step this torch's meter cannot measure: one that runs ``torch.func`` transforms, before torch 2.14."""
+
+
+def measures_func_transforms() -> bool:
+    """Whether this torch lets the meter measure a step that runs ``torch.func`` transforms (the exact DEQ
+    backward's): it has the node-creation hook (2.14 on)."""
+    return hasattr(torch.autograd.graph, "node_creation_hook")
+
+
 class SavedTensorMeter:
     """Context manager summing the distinct storages autograd saves while active, each once, those of ``exclude``
     (the parameters) left out. Storages are told apart by address, so every saved tensor is kept alive until exit:
@@ -73,9 +83,8 @@ class SavedTensorMeter:
         self._excluded = {_storage_key(p) for p in exclude}
         self._seen: dict[tuple, int] = {}
         self._pinned: list[torch.Tensor] = []
-        node_hook = getattr(torch.autograd.graph, "node_creation_hook", None)
-        if node_hook is not None:
-            self._ctx = node_hook(self._node)
+        if measures_func_transforms():
+            self._ctx = torch.autograd.graph.node_creation_hook(self._node)
         else:  # torch before 2.14 (module docstring)
             self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
@@ -111,7 +120,8 @@ def step_activation_bytes(step: Callable[[], Any], module: torch.nn.Module) -> i
     """Bytes saved for backward by ``step()`` (a training step's forward and backward) of ``module``'s
     parameters excluded, leaving no trace: the RNG is forked, buffers (batch-norm statistics) and gradients are
     restored, and DEQ layers solve from empty warm starts and get theirs back, so the measured step does not change
-    the run (nor make a resumed run, which measures again, differ)."""
+    the run (nor make a resumed run, which measures again, differ). :class:`UnmeasurableStep` where this torch
+    cannot measure the step (module docstring)."""
     params = list(module.parameters())
     grads = [p.grad for p in params]
     buffers = {name: b.clone() for name, b in module.named_buffers()}
@@ -121,6 +131,11 @@ def step_activation_bytes(step: Callable[[], Any], module: torch.nn.Module) -> i
     try:
         with torch.random.fork_rng(), SavedTensorMeter(exclude=params) as meter, torch.enable_grad():
             step()
+    except RuntimeError as err:  # torch.func under the saved-tensor hooks of a torch before 2.14
+        if measures_func_transforms() or "saved tensor hooks" not in str(err):
+            raise
+        raise UnmeasurableStep(f"torch {torch.__version__} cannot measure the activation memory of a step that runs "
+                               "torch.func (the exact DEQ backward); torch 2.14 can") from err
     finally:
         with torch.no_grad():
             for name, b in module.named_buffers():

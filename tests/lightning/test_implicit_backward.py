@@ -31,3 +31,15 @@ def test_a_deq_config_trains_with_the_implicit_backward(family, tmp_path):
         assert all(row["train/deq/nstep"] == 1.0 and "train/deq/adjoint_nstep" not in row for row in logged)
     else:  # the adjoint solves of the step (the previous step's parameter gradient at least) are logged
         assert logged[-1]["train/deq/adjoint_nstep"] >= 1 and logged[-1]["train/deq/adjoint_converged"] == 1.0
+
+
+def test_a_torch_without_node_hooks_trains_the_exact_backward_without_its_memory_figure(tmp_path, monkeypatch):
+    """Before torch 2.14 (here: its node-creation hook taken away) the activation meter falls back on saved-tensor
+    hooks, under which torch.func refuses to run: the run says that it logs no activation memory, and trains."""
+    monkeypatch.delattr(torch.autograd.graph, "node_creation_hook", raising=False)
+    with pytest.warns(UserWarning, match="run/activation_memory_mb is not logged: torch .* cannot measure"):
+        cli = main(["fit", *tiny_args(tmp_path, DEQ_CONFIGS["nice"], "old"), *TWO_STEPS,
+                    f"{NET}.deq.init_args.backward", "implicit"])
+    assert torch.isfinite(cli.trainer.callback_metrics["train/loss"])
+    header = (tmp_path / "old" / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert "run/parameters" in header and "run/activation_memory_mb" not in header
