@@ -9,9 +9,8 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from ..measure import committed_as
 from ..report import pipe_table
-from .core import Family, Metric, rerun_path, value_of, without_protocol
+from .core import Family, Metric, holding_commit, rerun_path, value_of, without_protocol
 from .judging import exclusion
 from .protocol import Protocol
 
@@ -95,12 +94,12 @@ def backward_of(unit: dict) -> str:
 
 def code_label(code: dict | None, changes: str = "+") -> str:
     """A unit's code: its commit, with ``changes`` where the checkout had uncommitted changes, and the later
-    commit that holds exactly those changes where one does (:func:`~deqlab.measure.committed_as`)."""
+    commit that holds exactly those changes where one does (:func:`.core.holding_commit`)."""
     if code is None:
         return "not recorded"
     text = f"`{code['commit'][:10]}`"
     if code["uncommitted_changes"]:
-        later = committed_as(code["commit"], code["changes_sha256"]) if code.get("changes_sha256") else None
+        later = holding_commit(code)
         text += changes + (f" (= `{later[:10]}`)" if later else "")
     return text
 
