@@ -78,7 +78,7 @@ def run_jobs(jobs: list[Job], shared: list[str], processes: int, log_dir: Path, 
         for job in list(pending):
             if len(running) >= processes:
                 break
-            if any(ended.get(w, 0) != 0 for w in job.waits if w in ended):
+            if any(ended[w] != 0 for w in job.waits if w in ended):
                 pending.remove(job)
                 say("skipped", f"{job.name} (its arm's tuning failed)")
             elif all(w in ended for w in job.waits):

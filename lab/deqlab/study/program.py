@@ -66,6 +66,8 @@ def plan_of(parser: argparse.ArgumentParser, args: argparse.Namespace, protocol:
         chosen(parser, "--family", args.family, declared) if args.family else [])
     if args.budget is not None and not (math.isfinite(args.budget) and args.budget > 0):
         parser.error(f"--budget: a positive fraction of the default, got {args.budget}")
+    if args.jobs < 1:
+        parser.error(f"--jobs: a number of processes, at least 1, got {args.jobs}")
     seeds = seeds_of(parser, args.seeds)
     plan = []
     for name in names:
@@ -181,16 +183,15 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, 
     except ProtocolError as err:
         parser.error(str(err))
     plan = plan_of(parser, args, protocol)
-    if args.jobs < 1:
-        parser.error(f"--jobs: a number of processes, at least 1, got {args.jobs}")
+    in_processes = args.jobs > 1 and bool(plan)  # each job imports and sets what it runs with
     out = Path(args.out)
     threads = torch.get_num_threads()
-    if plan:
+    if plan and not in_processes:
         import_run_code()
         if protocol.text.get("threads"):  # a unit's numbers depend on the thread count: the protocol fixes it
             torch.set_num_threads(protocol.text["threads"])
     try:
-        if args.jobs > 1 and plan:
+        if in_processes:
             results = run_in_processes(plan, args)
         else:
             results = run_plan(plan, Path(args.runs_root), out, "rerun" if args.rerun else "unit", args.tune_rate)

@@ -119,13 +119,13 @@ def verdict_cell(c: dict) -> tuple[str, str]:
     """The unadjusted verdict (with the power of an inconclusive one) and Holm's, each marked interim where an
     arm is short of its protocol seeds, and with the devices where its units ran on more than one."""
     test = c["test"]
-    interim = ("interim: " if c["interim"] else "") + \
+    marks = ("interim: " if c["interim"] else "") + \
         (f"across devices ({'; '.join(c['devices'])}): " if len(c["devices"]) > 1 else "")
     if test is None:
         why = "margin unknown" if c["margin"] is None else "fewer than two seeds a side"
         return f"**not judged** ({why})", "–"
     power = "" if test.verdict != "inconclusive" else f"; {power_text(test)}"
-    return f"{interim}**{test.verdict}**{power}", f"{interim}**{c['holm']}** (m = {c['holm_m']})"
+    return f"{marks}**{test.verdict}**{power}", f"{marks}**{c['holm']}** (m = {c['holm_m']})"
 
 
 COMPARISON_HEADER = ["data", "comparison", "seeds (DEQ / other)", "d ± se (positive: DEQ better)", "Welch df",
