@@ -5,7 +5,9 @@ and the reference statistics of a data set, and returns the Frechet distance (FI
 Kernel Inception Distance: the unbiased MMD^2 with the cubic polynomial kernel ``k(x, y) = (x.y / d + 1)^3``,
 averaged over ``subsets`` random subsets of ``subset_size`` samples and reference features (torch-fidelity's and
 torchmetrics' protocol, mean and population standard deviation over the subsets). When fewer than ``subset_size``
-features are at hand on either side, the subset size is that number, and the result says so. FID is strongly
+features are at hand on either side, the subset size is that number, and the result says so. The subsets overlap
+(where the samples are fewer than ``subset_size``, every subset holds all of them), so their standard deviation is
+no standard error; :func:`kid_standard_error` gives one, from disjoint blocks of the samples. FID is strongly
 biased at small N (its estimate falls as N grows): below :data:`FID_MIN_SAMPLES` (2048, the feature dimension) a
 warning says so; KID is unbiased at any N.
 
@@ -18,6 +20,7 @@ warning says so; KID is unbiased at any N.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +33,7 @@ from .statistics import FeatureStats, GaussianStats, frechet_distance
 FID_MIN_SAMPLES = 2048  # below the feature dimension the sample covariance is singular and FID strongly biased
 KID_SUBSETS = 100
 KID_SUBSET_SIZE = 1000
+KID_BLOCKS = 5  # disjoint sample blocks for KID's standard error
 KID_FEATURES = 10_000  # sample features kept for KID (the moments of all N make FID)
 
 
@@ -66,7 +70,20 @@ def kernel_inception_distance(samples: torch.Tensor, reference: torch.Tensor, su
     kid = torch.stack(values)
     return {"kid": float(kid.mean()), "kid_std": float(kid.std(unbiased=False)), "kid_subset_size": size,
             "kid_subsets": subsets, "kid_subset_note": "" if size == subset_size else (
-                f"subset size {size}, below the standard {subset_size}: fewer features were available")}
+                f"subset size {size}, below the standard {subset_size}: fewer features were available"),
+            "kid_se": kid_standard_error(samples, reference), "kid_se_blocks": KID_BLOCKS}
+
+
+def kid_standard_error(samples: torch.Tensor, reference: torch.Tensor, blocks: int = KID_BLOCKS) -> float | None:
+    """KID's standard error from ``blocks`` independent estimates: the unbiased MMD^2 of each of ``blocks`` disjoint
+    blocks of the samples against its own disjoint block of the reference of the same size, their standard
+    deviation over sqrt(blocks). None where a block would hold fewer than 2 rows."""
+    size = min(len(samples), len(reference)) // blocks
+    if size < 2:
+        return None
+    pairs = [(reference[i * size:(i + 1) * size], samples[i * size:(i + 1) * size]) for i in range(blocks)]
+    values = torch.stack([poly_mmd(ref.double(), own.double()) for ref, own in pairs])
+    return float(values.std()) / math.sqrt(blocks)
 
 
 def sample_quality(samples: FeatureStats, reference: GaussianStats, seed: int = 0) -> dict[str, Any]:
@@ -77,7 +94,7 @@ def sample_quality(samples: FeatureStats, reference: GaussianStats, seed: int = 
         warnings.warn(f"FID of {n} samples: below {FID_MIN_SAMPLES} (the feature dimension) FID is strongly biased "
                       "upwards and comparable only at the same N; KID is unbiased", RuntimeWarning, stacklevel=2)
     report: dict[str, Any] = {"fid": frechet_distance(samples, reference), "num_samples": n,
-                              "label": f"FID@{n}", "kid": None, "kid_std": None}
+                              "label": f"FID@{n}", "kid": None, "kid_std": None, "kid_se": None}
     features = samples.features
     if reference.features is not None and len(features) >= 2:
         report |= kernel_inception_distance(features, torch.as_tensor(reference.features), seed=seed)

@@ -28,11 +28,19 @@ from ..deq import DEQ
 
 @dataclass
 class SamplingCost:
-    """Counts of one drawing: network calls, DEQ solves and their summed solver iterations."""
+    """Counts of one drawing: network calls, DEQ solves, their summed solver iterations, and how many of the solves
+    had their layer's warm start on (each starts from its layer's last fixed point where one of its shape exists)."""
 
     evaluations: int = 0
     solves: int = 0
     iterations: int = 0
+    warm_solves: int = 0
+
+    def starts(self) -> str:
+        """The solves' starts in words: ``warm start on``, ``warm start off``, or how many had it on."""
+        if self.warm_solves in (0, self.solves):
+            return f"warm start {'on' if self.warm_solves else 'off'}"
+        return f"warm start on in {self.warm_solves} of {self.solves} solves"
 
     def iterations_per_evaluation(self) -> float:
         """Solver iterations per network evaluation (summed over the DEQ layers of one evaluation)."""
@@ -40,13 +48,13 @@ class SamplingCost:
 
     def describe(self, batches: int) -> str:
         """One line: evaluations per sample (``batches`` draws of the network shared the calls) and, for a DEQ,
-        solver iterations per evaluation and per sample."""
+        solver iterations per evaluation and per sample, and whether the solves started warm."""
         per_sample = self.evaluations / max(batches, 1)
         text = f"{per_sample:g} network evaluations per sample"
         if self.solves:
             per_eval = self.iterations_per_evaluation()
             text += (f"; DEQ solver iterations {per_eval:.2f} per evaluation, {per_eval * per_sample:,.0f} per "
-                     "sample")
+                     f"sample ({self.starts()})")
         return text
 
 
@@ -62,6 +70,7 @@ def counting_cost(net: nn.Module) -> Iterator[SamplingCost]:
         if layer.stats is not None:
             cost.solves += 1
             cost.iterations += int(layer.stats.nstep)
+            cost.warm_solves += int(layer.warm_start)
 
     handles = [net.register_forward_hook(on_evaluation)]
     handles += [m.register_forward_hook(on_solve) for m in net.modules() if isinstance(m, DEQ)]

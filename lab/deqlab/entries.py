@@ -142,9 +142,9 @@ STUDIES: dict[str, Study] = {
     "nice": Study(
         title="NICE on MNIST",
         setting=("MNIST with the `logit_squeeze` transform (invertible: exact bits/dim), batch 128, sliced score "
-                 "matching, Adam 1e-4, the paper's sizes (4 couplings of width 1000; the reference design: 2). Test "
-                 "log-likelihood and bits/dim on the 10,000 test images; test exact SM on the first test images "
-                 "(784 backward passes through the converged model each)."),
+                 "matching, Adam at each row's learning rate, the paper's sizes (4 couplings of width 1000; the "
+                 "reference design: 2). Test log-likelihood and bits/dim on the 10,000 test images; test exact SM "
+                 "on the first test images (784 backward passes through the converged model each)."),
         iterations=840,  # two epochs of the 54,000 training images
         variants={"explicit": StudyVariant("shallow", "shallow"), "explicit_deep": StudyVariant("deep", "deep"),
                   "deq": StudyVariant("deq", "deq"), "deq_implicit": StudyVariant("deq", "deq_implicit", IMPLICIT),
@@ -159,11 +159,11 @@ STUDIES: dict[str, Study] = {
         title="DKEF on UCI data",
         setting=("RedWine, WhiteWine and Parkinsons (whitened with a transform fitted on the training rows; the "
                  "log-likelihood is in the data's own units, the whitening's Jacobian added), 200 centres, features "
-                 "of width 30, SSM-VR, Adam 1e-2, batch 200; the model evaluated is the family's final one (best "
-                 "validation weights, alpha on the whole training set, log lambda fine-tuned). log Z by importance "
-                 "sampling from a defensive mixture proposal (half the broad Gaussian N(0, 4 I), half Gaussians at "
-                 "the training points); its effective sample size is reported, and a figure resting on fewer than "
-                 "100 effective draws is marked unreliable."),
+                 "of width 30, SSM-VR, Adam at each row's learning rate, batch 200; the model evaluated is the "
+                 "family's final one (best validation weights, alpha on the whole training set, log lambda "
+                 "fine-tuned). log Z by importance sampling from a defensive mixture proposal (half the broad "
+                 "Gaussian N(0, 4 I), half Gaussians at the training points); its effective sample size is reported, "
+                 "and a figure resting on fewer than 100 effective draws is marked unreliable."),
         iterations=1000,
         variants={"explicit": StudyVariant("shallow", "shallow"), "explicit_deep": StudyVariant("deep", "deep"),
                   "deq": StudyVariant("deq", "deq"),
@@ -180,13 +180,14 @@ STUDIES: dict[str, Study] = {
         title="NCSN on MNIST",
         setting=("MNIST pixels in [0, 1], annealed DSM over 10 noise levels (1 to 0.01), batch 64, Adam; the "
                  "network's width, the learning rate and the sampler's steps as the protocol's fit options set them; "
-                 "samples by annealed Langevin dynamics with the sampler and weights (trained or their "
-                 "EMA) the protocol fixes; the learning curve is that of the scored weights. KID (mean and standard "
-                 "deviation over 100 subsets) and FID@N of the same N samples against the Inception features of "
-                 "the first MNIST training images; the untrained row is the DEQ network at initialisation, through "
-                 "the same sampling and scoring. Where the protocol asks for it, the held-out denoising loss: every "
-                 "MNIST test image at every noise level, noise fixed by the test batch, the training weighting, "
-                 "the scored weights (train.py test with test_every_level)."),
+                 "samples by annealed Langevin dynamics with the sampler and weights (trained or their EMA) the "
+                 "protocol fixes; the learning curve is that of the scored weights. KID (the mean over 100 subsets; "
+                 "the table's ± is over seeds; units recorded after 2026-11-27's also hold their own standard error, "
+                 "`kid_se`, over 5 disjoint sample blocks) and FID@N of the same N samples against the Inception "
+                 "features of the first MNIST training images; the untrained row is the DEQ network at "
+                 "initialisation, through the same sampling and scoring. Where the protocol asks for it, the held-out"
+                 " denoising loss: every MNIST test image at every noise level, noise fixed by the test batch, the "
+                 "training weighting, the scored weights (train.py test with test_every_level)."),
         iterations=600,
         variants={"explicit": StudyVariant("shallow", "shallow"), "ncsnv2": StudyVariant("deep", "deep"),
                   "deq": StudyVariant("deq", "deq"),
@@ -213,9 +214,10 @@ STUDIES: dict[str, Study] = {
     ),
     "vae": Study(
         title="VAE with an implicit encoder on MNIST",
-        setting=("Dynamically binarised MNIST, MLP encoder and decoder (784-256-256, z 8), RMSprop 1e-3, batch "
-                 "128; the implicit encoder's entropy gradient from a score network (explicit MLP, deep explicit "
-                 "MLP, or the DEQ) trained by SSM-VR with 2 score steps per encoder/decoder step, so an iteration "
+        setting=("Dynamically binarised MNIST, MLP encoder and decoder (784-256-256, z 8), RMSprop, batch 128 "
+                 "(the encoder and decoder at 1e-3, the score network at each row's learning rate); the implicit "
+                 "encoder's entropy gradient from a score network (explicit MLP, deep explicit MLP, or the DEQ) "
+                 "trained by SSM-VR with 2 score steps per encoder/decoder step, so an iteration "
                  "is 3 optimiser steps (the Gaussian VAE: 1). Test log-likelihood by AIS (HMC, 10 leapfrog steps) "
                  "on the first test images; the Gaussian VAE's ELBO on all 10,000."),
         iterations=6000,

@@ -12,7 +12,6 @@ noise levels that draw the strokes (the study's rule since protocol v6, after it
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,7 @@ from deqscore.data.mnist import load_mnist
 from deqscore.data.transforms import preprocess
 from deqscore.families import declarations
 from deqscore.metrics.inception import InceptionFeatures
-from deqscore.metrics.quality import kernel_inception_distance
+from deqscore.metrics.quality import KID_BLOCKS, kernel_inception_distance
 from deqscore.metrics.statistics import FeatureStats, frechet_distance
 from deqscore.sampling.grid import save_image_grid
 
@@ -33,7 +32,6 @@ from .gpu_steps import one_line
 from .measure import log, wall
 from .report import Column, Table
 
-KID_BLOCKS = 5  # disjoint sample blocks for KID's standard error
 DIGITS_FACTOR = 0.1  # "draws digits": KID at most this times the untrained network's, through the same sampler
 
 
@@ -144,13 +142,9 @@ def _sampler_schedule(module) -> tuple[int, float]:
 
 def score(features: torch.Tensor, reference: torch.Tensor, seed: int, fid: bool = True) -> dict:
     """KID (the project's protocol: 100 subsets), its standard error over :data:`KID_BLOCKS` disjoint sample blocks
-    (each against its own disjoint reference block of the same size), and FID@N."""
+    (:func:`~deqscore.metrics.quality.kid_standard_error`), and FID@N."""
     kid = kernel_inception_distance(features, reference, seed=seed)
-    size = len(features) // KID_BLOCKS
-    blocks = [kernel_inception_distance(features[i * size:(i + 1) * size], reference[i * size:(i + 1) * size],
-                                        subsets=1, subset_size=size, seed=seed)["kid"] for i in range(KID_BLOCKS)]
-    out = {"kid": kid["kid"], "kid_se": float(torch.tensor(blocks).std()) / math.sqrt(KID_BLOCKS),
-           "kid_subset_size": kid["kid_subset_size"]}
+    out = {"kid": kid["kid"], "kid_se": kid["kid_se"], "kid_subset_size": kid["kid_subset_size"]}
     if fid:
         a, b = FeatureStats(features.shape[1]), FeatureStats(features.shape[1])
         a.update(features)

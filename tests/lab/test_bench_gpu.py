@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 
 import pytest
 import torch
@@ -121,20 +120,6 @@ def test_kid_and_its_standard_error_on_known_distributions():
     assert abs(null["kid"]) < 4 * null["kid_se"] + 1e-3  # equal distributions: KID is unbiased, about 0
     assert apart["kid"] > 10 * apart["kid_se"] > 0  # a unit shift in every coordinate: clearly positive
     assert "fid" not in null and score(same_a, same_b, seed=0)["fid"] >= 0
-
-
-def test_kid_standard_error_is_the_spread_of_kid_over_independent_draws_or_a_little_more():
-    """The standard error (of the mean of disjoint-block KIDs) against the spread of KID itself over 20 independent
-    pairs of equal distributions: at least that spread (never over-confident), within 2.5x (here about 1.6x: the
-    all-pairs KID varies less than the block mean)."""
-    gen = torch.Generator().manual_seed(0)
-    kids, errors = [], []
-    for seed in range(20):
-        result = score(torch.randn(200, 8, generator=gen), torch.randn(200, 8, generator=gen), seed=seed, fid=False)
-        kids.append(result["kid"])
-        errors.append(result["kid_se"])
-    ratio = statistics.mean(errors) / statistics.stdev(kids)
-    assert 1.0 <= ratio <= 2.5
 
 
 def test_ratio_row_divides_numbers_and_leaves_failures_out():

@@ -90,7 +90,8 @@ def test_a_family_study_records_what_its_runs_logged_skips_recorded_units_and_wr
             assert value["metrics"][key] == pytest.approx(series[f"test/{key}"][-1][1])
         if name in ("ncsn", "edm"):  # the unit holds the scores of the samples sample.py drew
             report = json.loads((run / "samples" / "fid.json").read_text())
-            assert (value["metrics"]["kid"], value["metrics"]["fid"]) == (report["kid"], report["fid"])
+            scores = ("kid", "kid_se", "fid")
+            assert [value["metrics"][k] for k in scores] == [report[k] for k in scores]
             assert report["num_samples"] == 4 and "(6 images)" in report["reference"]
         if name == "vae":  # the ELBO only for the Gaussian encoder: the implicit one has none
             assert ("elbo" in value["metrics"]) == (variant.role == "classical")
@@ -590,8 +591,8 @@ def test_ncsn_samples_from_the_weights_its_evaluation_names(tmp_path, monkeypatc
     def draw(checkpoint, out, n, seed, options=()):
         passed.extend(options)
         out.mkdir(parents=True)
-        (out / "fid.json").write_text(json.dumps({"kid": 0.1, "kid_std": 0.01, "kid_subset_size": 4, "fid": 9.0,
-                                                  "num_samples": n, "reference": "r"}))
+        (out / "fid.json").write_text(json.dumps({"kid": 0.1, "kid_std": 0.01, "kid_se": 0.02, "kid_subset_size": 4,
+                                                  "fid": 9.0, "num_samples": n, "reference": "r"}))
 
     monkeypatch.setattr(study_evaluation, "draw_samples", draw)
     monkeypatch.setattr(study_evaluation, "sampler_cost", lambda checkpoint, evaluation: None)  # no checkpoint here

@@ -126,3 +126,4 @@ def test_sample_py_prints_the_heun_samplers_evaluations_per_sample_and_the_solve
     # the tiny overrides give the sampler 2 steps: 3 evaluations
     line = next(line for line in out.splitlines() if line.startswith("sampling cost: "))
     assert line.startswith("sampling cost: 3 network evaluations per sample; DEQ solver iterations "), line
+    assert line.endswith("per sample (warm start on)"), line  # the sampler's default: each solve from the last

@@ -1,13 +1,15 @@
-"""KID against a hand computation of the unbiased polynomial-kernel MMD, its subsets, and the one sample-quality
-function's report (FID@N, KID, the small-N warning)."""
+"""KID against a hand computation of the unbiased polynomial-kernel MMD, its subsets, its standard error over
+disjoint blocks, and the one sample-quality function's report (FID@N, KID, the small-N warning)."""
 
 import itertools
+import statistics
 
 import numpy as np
 import pytest
 import torch
 
 from deqscore.metrics import kernel_inception_distance, sample_quality
+from deqscore.metrics.quality import kid_standard_error
 from deqscore.metrics.statistics import FeatureStats, frechet_distance
 
 
@@ -50,6 +52,37 @@ def test_kid_over_subsets_is_the_mean_and_spread_of_subset_mmds():
     assert short["kid_subset_size"] == 9 and "subset size 9" in short["kid_subset_note"]
 
 
+def test_kid_standard_error_is_the_spread_of_disjoint_block_mmds_over_the_root_of_their_number():
+    rng = np.random.default_rng(4)
+    x, y = rng.standard_normal((17, 3)), rng.standard_normal((23, 3)) + 0.2
+    blocks = [_mmd2_by_hand(y[i * 5:(i + 1) * 5], x[i * 5:(i + 1) * 5]) for i in range(3)]  # 17 // 3 = 5 rows each
+    assert kid_standard_error(torch.tensor(x), torch.tensor(y), blocks=3) == pytest.approx(
+        np.std(blocks, ddof=1) / np.sqrt(3), rel=1e-8)
+    assert kid_standard_error(torch.tensor(x[:5]), torch.tensor(y), blocks=3) is None  # blocks of 1 row: no MMD
+    kid = kernel_inception_distance(torch.tensor(x), torch.tensor(y), subsets=2, subset_size=17)
+    assert kid["kid_se"] == kid_standard_error(torch.tensor(x), torch.tensor(y)) and kid["kid_se_blocks"] == 5
+
+
+@pytest.mark.parametrize("shift, low, high", [(0.3, 0.6, 1.5), (0.0, 1.0, 3.5)])
+def test_kid_standard_error_against_the_spread_of_kid_over_independent_draws(shift, low, high):
+    """The standard error against the spread of KID itself over 30 independent draws of 200 samples and 400
+    reference rows. Samples of another distribution (a shift of 0.3, as samples of a network against data): about
+    that spread (here 0.88x), where the 100 subsets' standard deviation is less than half of it. Equal
+    distributions: larger (here 2.5x), never over-confident: there the variance of an MMD falls as 1/n^2, so blocks
+    of n/5 rows are noisier than one estimate on all n."""
+    gen = torch.Generator().manual_seed(0)
+    kids, errors, spreads = [], [], []
+    for seed in range(30):
+        kid = kernel_inception_distance(torch.randn(200, 8, generator=gen) + shift, torch.randn(400, 8, generator=gen),
+                                        seed=seed)
+        kids.append(kid["kid"])
+        errors.append(kid["kid_se"])
+        spreads.append(kid["kid_std"])
+    assert low <= statistics.mean(errors) / statistics.stdev(kids) <= high
+    if shift:
+        assert statistics.mean(spreads) < 0.5 * statistics.stdev(kids)
+
+
 def test_sample_quality_reports_fid_at_n_and_kid_and_warns_at_small_n():
     rng = np.random.default_rng(2)
     samples, reference = FeatureStats(dim=6, keep=40), FeatureStats(dim=6, keep=50)
@@ -61,6 +94,7 @@ def test_sample_quality_reports_fid_at_n_and_kid_and_warns_at_small_n():
     assert report["fid"] == pytest.approx(frechet_distance(samples, reference), rel=1e-12)
     expected = kernel_inception_distance(samples.features, reference.features, seed=0)["kid"]
     assert report["kid"] == pytest.approx(expected) and report["kid"] > 0  # shifted means: a positive distance
+    assert report["kid_se"] == kid_standard_error(samples.features, reference.features) > 0
     published = reference.gaussian().__class__(reference.mu, reference.sigma)  # moments only, as published stats
     with pytest.warns(RuntimeWarning):
         assert sample_quality(samples, published)["kid"] is None

@@ -24,7 +24,20 @@ def test_evaluations_are_levels_times_steps_plus_the_denoising_step_and_iteratio
         sampler(net, (5, 64), SIGMAS, torch.Generator().manual_seed(0))
     assert (cost.evaluations, cost.solves, cost.iterations) == (3 * 2 + 1, 7, 21)
     assert cost.describe(batches=1) == ("7 network evaluations per sample; DEQ solver iterations 3.00 per "
-                                        "evaluation, 21 per sample")
+                                        "evaluation, 21 per sample (warm start off)")
+
+
+def test_the_line_says_whether_the_solves_started_warm():
+    net = _net(max_iter=40, tol=1e-4, warm_start=True)
+    sampler = AnnealedLangevin(n_steps_each=2, step_lr=1e-3, final_denoise=False, progress=False)
+    with counting_cost(net) as cost:
+        sampler(net, (3, 64), SIGMAS, torch.Generator().manual_seed(0))
+        net.body.deq.warm_start = False
+        sampler(net, (3, 64), SIGMAS, torch.Generator().manual_seed(0))
+    assert (cost.solves, cost.warm_solves) == (12, 6)
+    assert cost.describe(batches=2).endswith("(warm start on in 6 of 12 solves)")
+    cost.warm_solves = cost.solves
+    assert cost.describe(batches=2).endswith("(warm start on)")
 
 
 def test_iterations_are_those_each_solve_recorded_and_hooks_are_removed():

@@ -53,7 +53,8 @@ def sample_quality(run_dir: Path, checkpoint: Path, seed: int, evaluation: dict)
                   "--stats-root", str(run_dir.parents[2] / "fid_stats")])
     report = json.loads((out / "fid.json").read_text())
     cost = sampler_cost(checkpoint, evaluation)
-    return {"kid": report["kid"], "kid_std": report["kid_std"], "kid_subset_size": report["kid_subset_size"],
+    return {"kid": report["kid"], "kid_std": report["kid_std"], "kid_se": report["kid_se"],
+            "kid_subset_size": report["kid_subset_size"],
             "fid": report["fid"], "fid_samples": report["num_samples"], "reference": report["reference"],
             **({"sampling_cost": cost} if cost else {})}
 
