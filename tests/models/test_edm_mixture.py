@@ -1,4 +1,4 @@
-"""EDM against a known answer: data from a 2-D Gaussian mixture, whose exact denoiser is the closed-form posterior
+"""EDM against a known answer: data from a Gaussian mixture, whose exact denoiser is the closed-form posterior
 mean ``E[x | x + sigma n] = sum_k r_k(y) (mu_k + s_k^2 / (s_k^2 + sigma^2) (y - mu_k))`` (isotropic components,
 ``r_k`` the responsibilities under ``N(mu_k, (s_k^2 + sigma^2) I)``), written out here.
 
@@ -7,52 +7,115 @@ distribution: at 128 steps the samples' mean and covariance are the mixture's wi
 standard errors of 10,000 samples). At EDM's 18 steps the discretisation leaves a bias, and Heun's method is
 second order: doubling the steps divides the error (against a 512-step solution from the same starts) by about 4.
 
-(b) The preconditioned network trained briefly by EDM's loss approaches the exact denoiser: the expected loss is
-the exact denoiser's plus ``E lambda ||D - D*||^2``, and that weighted distance (on fixed draws) shrinks.
+(b) A network trained briefly by EDM's loss approaches the exact denoiser: the expected loss is the exact
+denoiser's plus ``E lambda ||D - D*||^2``, and that weighted distance (on fixed draws) shrinks. Shown for a small
+preconditioned MLP on a 2-D mixture, and for the family's own networks (the explicit U-Net and the DEQ middle) on a
+mixture of 8x8 images.
 """
 
 import math
+from dataclasses import dataclass
+from functools import partial
 
 import pytest
 import torch
 from torch import nn
 
-from deqscore.models.edm import EDMLoss, Preconditioned, edm_loss_weight
+from deqscore.deq import DEQ
+from deqscore.models.edm import EDM, EDMLoss, Preconditioned, edm_loss_weight
 from deqscore.sampling.heun import EDMHeun
 
-W = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
-MU = torch.tensor([[-1.0, 0.5], [1.0, -0.5], [0.3, 1.2]], dtype=torch.float64)
-S = torch.tensor([0.3, 0.4, 0.25], dtype=torch.float64)
+
+@dataclass
+class Mixture:
+    """Isotropic Gaussian components: weights ``w [K]``, means ``mu [K, d]``, standard deviations ``s [K]``."""
+
+    w: torch.Tensor
+    mu: torch.Tensor
+    s: torch.Tensor
+
+    def exact_denoiser(self, y: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        var = self.s**2 + sigma.to(y)[:, None] ** 2  # [B, K]: each component's variance after the noise
+        d = self.mu.shape[1]
+        log_r = self.w.log() - ((y[:, None, :] - self.mu) ** 2).sum(-1) / (2 * var) - d / 2 * var.log()
+        post = self.mu + (self.s**2 / var)[..., None] * (y[:, None, :] - self.mu)
+        return (log_r.softmax(1)[..., None] * post).sum(1)
+
+    def moments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        mean = (self.w[:, None] * self.mu).sum(0)
+        eye = torch.eye(self.mu.shape[1], dtype=self.mu.dtype)
+        cov = sum(w * (s**2 * eye + torch.outer(m - mean, m - mean))
+                  for w, m, s in zip(self.w, self.mu, self.s, strict=True))
+        return mean, cov
+
+    def draw(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        k = torch.multinomial(self.w, n, replacement=True, generator=generator)
+        return self.mu[k] + self.s[k, None] * torch.randn(n, self.mu.shape[1], generator=generator,
+                                                          dtype=self.mu.dtype)
 
 
-def exact_denoiser(y: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-    var = S**2 + sigma.to(y)[:, None] ** 2  # [B, K]: each component's variance after the noise
-    log_r = W.log() - ((y[:, None, :] - MU) ** 2).sum(-1) / (2 * var) - var.log()  # 2-D: log det = log var
-    post = MU + (S**2 / var)[..., None] * (y[:, None, :] - MU)
-    return (log_r.softmax(1)[..., None] * post).sum(1)
+PLANE = Mixture(torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64),
+                torch.tensor([[-1.0, 0.5], [1.0, -0.5], [0.3, 1.2]], dtype=torch.float64),
+                torch.tensor([0.3, 0.4, 0.25], dtype=torch.float64))
 
 
-def mixture_moments() -> tuple[torch.Tensor, torch.Tensor]:
-    mean = (W[:, None] * MU).sum(0)
-    cov = sum(w * (s**2 * torch.eye(2, dtype=torch.float64) + torch.outer(m - mean, m - mean))
-              for w, m, s in zip(W, MU, S, strict=True))
-    return mean, cov
+def _images_mixture(side: int = 8) -> Mixture:
+    """Three 8x8 templates in {-0.3, 0.3} (top half, left half, upper-left triangle), flattened, with standard
+    deviations of the templates' size: the components overlap, so the responsibilities matter (written with a 2-D
+    normaliser, ``log var`` for ``d / 2 log var``, the exact denoiser's loss is 5.6 % higher here)."""
+    rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    templates = [rows < side // 2, cols < side // 2, rows + cols < side]
+    return Mixture(torch.tensor([0.5, 0.3, 0.2]), torch.stack([t.float().flatten() * 0.6 - 0.3 for t in templates]),
+                   torch.tensor([0.3, 0.5, 0.4]))
 
 
-def draw_mixture(n: int, generator: torch.Generator) -> torch.Tensor:
-    k = torch.multinomial(W, n, replacement=True, generator=generator)
-    return MU[k] + S[k, None] * torch.randn(n, 2, generator=generator, dtype=torch.float64)
+def training_closes_on_the_exact_denoiser(net: nn.Module, mixture: Mixture, steps: int, batch: int, lr: float,
+                                          sigma_data: float) -> dict[str, float]:
+    """Train ``net`` (a denoiser ``D(y, sigma)``) by EDM's loss on fresh draws of ``mixture``; on fixed held-out
+    draws, the weighted distance ``E lambda(sigma) ||D - D*||^2 / d`` to the exact denoiser and the held-out loss,
+    before and after, the exact denoiser's loss (the minimum in expectation) and the standard error of the trained
+    network's excess over it (paired on the draws)."""
+    loss = EDMLoss(sigma_data=sigma_data)
+    gen = torch.Generator().manual_seed(1)  # fixed draws: data, levels from the training distribution, noise
+    x_eval = mixture.draw(2_000, gen)
+    sigma_eval = loss.draw_sigma(len(x_eval), x_eval, gen)
+    noise_eval = torch.randn(x_eval.shape, generator=gen, dtype=x_eval.dtype)
+    y_eval = x_eval + sigma_eval[:, None] * noise_eval
+
+    def measured(prefix: str) -> dict[str, float]:
+        net.eval()
+        with torch.no_grad():
+            gap = (net(y_eval, sigma_eval) - mixture.exact_denoiser(y_eval, sigma_eval)).pow(2).mean(1)
+            held_out[prefix] = loss.at(net, x_eval, sigma_eval, noise_eval)
+        net.train()
+        return {f"distance_{prefix}": float((edm_loss_weight(sigma_eval, sigma_data) * gap).mean()),
+                f"loss_{prefix}": float(held_out[prefix].mean())}
+
+    held_out: dict[str, torch.Tensor] = {}
+
+    out = measured("before")
+    opt = torch.optim.Adam(net.parameters(), lr=lr)
+    gen_train = torch.Generator().manual_seed(2)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss(net, mixture.draw(batch, gen_train), gen_train).mean().backward()
+        opt.step()
+    out |= measured("after")
+    with torch.no_grad():
+        optimum = loss.at(mixture.exact_denoiser, x_eval, sigma_eval, noise_eval)
+    excess = held_out["after"] - optimum
+    return out | {"optimum": float(optimum.mean()), "excess_se": float(excess.std() / math.sqrt(len(excess)))}
 
 
 def heun(steps: int, n: int, seed: int = 0) -> torch.Tensor:
-    return EDMHeun(num_steps=steps)(exact_denoiser, (n, 2), torch.Generator().manual_seed(seed),
+    return EDMHeun(num_steps=steps)(PLANE.exact_denoiser, (n, 2), torch.Generator().manual_seed(seed),
                                     dtype=torch.float64)
 
 
 def test_the_exact_denoisers_samples_have_the_mixtures_mean_and_covariance():
     n = 10_000
     x = heun(128, n)
-    mean, cov = mixture_moments()
+    mean, cov = PLANE.moments()
     got_mean, got_cov = x.mean(0), torch.cov(x.T)
     # standard errors: of the mean sqrt(var / n); of a covariance entry sqrt(Var(x_i x_j) / n), centred
     se_mean = (cov.diagonal() / n).sqrt()
@@ -77,7 +140,7 @@ def test_at_18_steps_the_discretisation_leaves_a_bias_of_a_few_percent():
     deviation); more steps remove both (the tests above)."""
     n = 10_000
     x = heun(18, n)
-    mean, cov = mixture_moments()
+    mean, cov = PLANE.moments()
     relative = torch.cov(x.T).diagonal() / cov.diagonal() - 1
     print(f"18 steps: mean {x.mean(0).tolist()} (mixture {mean.tolist()}), variance excess {relative.tolist()}")
     assert ((x.mean(0) - mean).abs() < 0.1 * cov.diagonal().sqrt()).all()
@@ -98,44 +161,40 @@ class MixtureNet(nn.Module):
         return self.mlp(torch.cat([x, angles.cos(), angles.sin()], 1))
 
 
+def _assert_closes(result: dict[str, float], distance: float, excess: float, relative: float) -> None:
+    print(result)
+    assert result["distance_after"] < distance * result["distance_before"], result
+    # the held-out loss falls towards the exact denoiser's, and not below it: that is the minimum in expectation
+    gap_before, gap_after = result["loss_before"] - result["optimum"], result["loss_after"] - result["optimum"]
+    assert gap_after < excess * gap_before and gap_after < relative * result["optimum"], result
+    assert gap_after > -3 * result["excess_se"], result
+
+
 def test_the_trained_preconditioned_network_approaches_the_exact_denoiser():
     torch.manual_seed(0)
-    mean, cov = mixture_moments()
-    sigma_data = math.sqrt(float(cov.diagonal().mean()))
+    sigma_data = math.sqrt(float(PLANE.moments()[1].diagonal().mean()))
     net = Preconditioned(MixtureNet(), sigma_data=sigma_data)
-    loss = EDMLoss(sigma_data=sigma_data)
-    # fixed draws: data, levels from the training distribution, noise
-    gen = torch.Generator().manual_seed(1)
-    x_eval = draw_mixture(4_000, gen)
-    sigma_eval = loss.draw_sigma(4_000, x_eval, gen)
-    noise_eval = torch.randn(x_eval.shape, generator=gen, dtype=torch.float64)
-    y_eval = x_eval + sigma_eval[:, None] * noise_eval
+    result = training_closes_on_the_exact_denoiser(net, PLANE, steps=600, batch=256, lr=2e-3, sigma_data=sigma_data)
+    _assert_closes(result, distance=0.25, excess=0.25, relative=0.1)
 
-    def distance() -> float:  # E lambda(sigma) ||D - D*||^2 / 2 on the fixed draws, as the loss is a mean over 2
-        with torch.no_grad():
-            gap = (net(y_eval, sigma_eval) - exact_denoiser(y_eval, sigma_eval)).pow(2).mean(1)
-            return float((edm_loss_weight(sigma_eval, sigma_data) * gap).mean())
 
-    def held_out(denoiser) -> float:
-        with torch.no_grad():
-            return float(loss.at(denoiser, x_eval, sigma_eval, noise_eval).mean())
-
-    optimum = held_out(exact_denoiser)
-    before, loss_before = distance(), held_out(net)
-    opt = torch.optim.Adam(net.parameters(), lr=2e-3)
-    gen_train = torch.Generator().manual_seed(2)
-    for _ in range(600):
-        x = draw_mixture(256, gen_train)
-        opt.zero_grad()
-        loss(net, x, gen_train).mean().backward()
-        opt.step()
-    after, loss_after = distance(), held_out(net)
-    print(f"distance to the exact denoiser {before:.4f} -> {after:.4f}; held-out loss {loss_before:.4f} -> "
-          f"{loss_after:.4f}, the exact denoiser's {optimum:.4f}")
-    assert after < 0.25 * before, (before, after)
-    # the held-out loss falls to within 10 % of the exact denoiser's (its minimum in expectation)
-    assert loss_after - optimum < 0.25 * (loss_before - optimum), (loss_before, loss_after, optimum)
-    assert loss_after - optimum < 0.1 * optimum, (loss_after, optimum)
+@pytest.mark.parametrize("body", ["unet", "deq"])
+def test_the_familys_networks_trained_on_a_mixture_of_images_approach_its_exact_denoiser(body):
+    """The family's own network (ngf 8, the DEQ with the MNIST config's solver options) on 8x8 images from a
+    3-component mixture: after 300 steps both the explicit U-Net and the DEQ middle are within 10 % of their
+    initial distance to the exact denoiser (5.5 % and 5.7 % here), their held-out loss within 5 % of the exact
+    one's (2.2 % and 2.1 %) and not below it."""
+    torch.manual_seed(0)
+    mixture = _images_mixture()
+    sigma_data = math.sqrt(float(mixture.moments()[1].diagonal().mean()))
+    deq = {"deq": partial(DEQ, max_iter=30, tol=1e-3, stop_mode="rel", backward="ift", ift_tol=1e-4,
+                          ift_max_iter=60)} if body == "deq" else {}
+    net = EDM(dim=64, channels=1, ngf=8, body=body, sigma_data=sigma_data, **deq)
+    result = training_closes_on_the_exact_denoiser(net, mixture, steps=300, batch=128, lr=2e-3,
+                                                   sigma_data=sigma_data)
+    _assert_closes(result, distance=0.1, excess=0.1, relative=0.05)
+    for layer in (m for m in net.modules() if isinstance(m, DEQ)):  # a fixed point: the last solve met its tolerance
+        assert layer.stats.resolved().converged, layer.stats
 
 
 @pytest.mark.parametrize("sigma", [0.01, 0.5, 3.0, 80.0])
