@@ -4,16 +4,16 @@ with 100 and 10 steps per level; then the same score with a denoiser that dims i
 small levels only (sigma <= cut), the kind of small-sigma error a score network can have."""
 import json
 import sys
+from pathlib import Path
 
-import numpy as np
 import torch
 
+from deqscore.data import load_mnist
 from deqscore.losses import noise_schedule
 from deqscore.sampling.langevin import AnnealedLangevin
 
 N, NS = int(sys.argv[1]) if len(sys.argv) > 1 else 16, 64
-d = np.load("pilot/mnist.npz")
-mu = torch.from_numpy(d["train"][:N]).reshape(N, 784).double() / 255
+mu = torch.from_numpy(load_mnist("datasets", train=True)[0][:N]).reshape(N, 784).double() / 255
 sigmas = noise_schedule("geometric", 1.0, 0.01, 10).double()
 
 
@@ -58,4 +58,4 @@ for T in (100, 10):
         print(T, delta, out[f"T{T}_delta{delta}"], flush=True)
 out["loss_exact_vs_dimmed_sigma0.01"] = {str(dl): excess_loss(dl, 0.01) for dl in (0.005, 0.01, 0.02)}
 print(json.dumps(out, indent=1))
-json.dump(out, open(f"pilot/exact_control_N{N}.json", "w"), indent=1)
+json.dump(out, open(Path(__file__).parent / f"exact_control_N{N}.json", "w"), indent=1)

@@ -14,6 +14,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "lab")]
 from deqlab.configs import build  # noqa: E402
+from deqscore.data import load_mnist  # noqa: E402
 from deqscore.sampling.grid import save_image_grid  # noqa: E402
 from deqscore.sampling.langevin import AnnealedLangevin  # noqa: E402
 
@@ -32,9 +33,9 @@ def dump():
     (OUT / "results.json").write_text(json.dumps(results, indent=1))
 
 
-d = np.load("pilot/mnist.npz")
-train = torch.from_numpy(d["train"]).reshape(-1, 784).float().div(255).to(dev)
-test = torch.from_numpy(d["test"][:int(os.environ.get("TESTN", 10000))]).reshape(-1, 784).float().div(255).to(dev)
+train = torch.from_numpy(load_mnist("datasets", train=True)[0]).reshape(-1, 784).float().div(255).to(dev)
+test = torch.from_numpy(load_mnist("datasets", train=False)[0][:int(os.environ.get("TESTN", 10000))])
+test = test.reshape(-1, 784).float().div(255).to(dev)
 CONFIGS = {"deq": "configs/ncsn/deq_mnist.yaml", "explicit": "configs/ncsn/explicit_mnist.yaml"}
 nets = {}
 for label, cfg in CONFIGS.items():

@@ -5,6 +5,7 @@ the samples (same seed) compared with the noise one Langevin step injects at the
 import json
 import sys
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -39,4 +40,4 @@ for tol in (1e-4, 1e-3, 1e-2):
         out[f"tol{tol:g}_{'warm' if warm else 'cold'}"] = rec
         print(tol, warm, rec, flush=True)
 out["last_level_step_noise_rms"] = (2 * 2e-5) ** 0.5
-json.dump(out, open(f"pilot/iters_ngf{NGF}_T{T}.json", "w"), indent=1)
+json.dump(out, open(Path(__file__).parent / f"iters_ngf{NGF}_T{T}.json", "w"), indent=1)
