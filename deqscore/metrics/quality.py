@@ -74,16 +74,20 @@ def kernel_inception_distance(samples: torch.Tensor, reference: torch.Tensor, su
             "kid_se": kid_standard_error(samples, reference), "kid_se_blocks": KID_BLOCKS}
 
 
-def kid_standard_error(samples: torch.Tensor, reference: torch.Tensor, blocks: int = KID_BLOCKS) -> float | None:
-    """KID's standard error from ``blocks`` independent estimates: the unbiased MMD^2 of each of ``blocks`` disjoint
-    blocks of the samples against its own disjoint block of the reference of the same size, their standard
-    deviation over sqrt(blocks). None where a block would hold fewer than 2 rows."""
+def kid_blocks(samples: torch.Tensor, reference: torch.Tensor, blocks: int = KID_BLOCKS) -> torch.Tensor | None:
+    """``blocks`` independent KIDs: the unbiased MMD^2 of each of ``blocks`` disjoint blocks of the samples against
+    its own disjoint block of the reference of the same size. None where a block would hold fewer than 2 rows."""
     size = min(len(samples), len(reference)) // blocks
     if size < 2:
         return None
     pairs = [(reference[i * size:(i + 1) * size], samples[i * size:(i + 1) * size]) for i in range(blocks)]
-    values = torch.stack([poly_mmd(ref.double(), own.double()) for ref, own in pairs])
-    return float(values.std()) / math.sqrt(blocks)
+    return torch.stack([poly_mmd(ref.double(), own.double()) for ref, own in pairs])
+
+
+def kid_standard_error(samples: torch.Tensor, reference: torch.Tensor, blocks: int = KID_BLOCKS) -> float | None:
+    """KID's standard error: the standard deviation of :func:`kid_blocks` over sqrt(blocks)."""
+    values = kid_blocks(samples, reference, blocks)
+    return None if values is None else float(values.std()) / math.sqrt(blocks)
 
 
 def sample_quality(samples: FeatureStats, reference: GaussianStats, seed: int = 0) -> dict[str, Any]:
