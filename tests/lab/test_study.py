@@ -193,6 +193,11 @@ def test_the_verdicts_at_the_protocols_margin(tmp_path):
     assert "| parkinsons | deq | deq | 3 of 5; **missing** 3, 4 |" in text  # a missing seed shown as missing
     assert "| 0.50 |" in text  # the DEQ's memory against the shallow network's
     assert f"Holm's correction over the {m} comparisons this design defines" in text
+    # the 14 defined comparisons without units on both sides are named, not silently left out
+    not_run = next(line for line in text.splitlines() if line.startswith("**Not run**"))
+    assert not_run.startswith(f"**Not run** (14 of the {m} comparisons")
+    assert "whitewine deq vs explicit_deep;" in not_run
+    assert "parkinsons deq vs explicit_deep" not in not_run and "redwine deq vs explicit;" not in not_run
     (tmp_path / "dkef").rename(tmp_path / "aside")  # one unit, no comparison yet: m is still the protocol's
     write_unit(tmp_path, "dkef", "redwine", "explicit", 0, {"log_likelihood": -1.0, "log_z_ess": 500.0})
     text = report(tmp_path)

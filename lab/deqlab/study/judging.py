@@ -153,6 +153,13 @@ def comparisons(family: Family, design: Protocol, rules: Protocol, units: list[d
     return out
 
 
+def not_run(family: Family, design: Protocol, judged: list[dict]) -> list[tuple[str, str, str]]:
+    """The defined comparisons (:func:`defined_comparisons`) missing from ``judged`` (:func:`comparisons`): an arm
+    has no counted unit. They count in Holm's m all the same: the protocol fixed m before any unit ran."""
+    ran = {(c["group"], c["deq"], c["other"]) for c in judged}
+    return [c for c in defined_comparisons(family, design) if c not in ran]
+
+
 def apply_holm(comparisons: list[dict], m: int, alpha: float = ALPHA) -> None:
     """Each comparison's verdict after Holm's correction over the family's ``m`` comparisons, for the 'holds' and
     the 'fails' claims alike (``holm``: holds, fails or inconclusive; None without a test)."""

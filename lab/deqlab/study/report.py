@@ -24,6 +24,7 @@ from .judging import (
     curve_label,
     defined_comparisons,
     label_text,
+    not_run,
     power_text,
     still_improving,
     variant_of_role,
@@ -238,6 +239,10 @@ def design_section(family: Family, design: Protocol, rules: Protocol, units: lis
               f"familywise alpha {alpha}; interim: an arm short of its protocol seeds, not a result; across "
               f"devices: its units ran on more than one device, whose arithmetic differs):", "",
               *pipe_table(COMPARISON_HEADER, rows), ""]
+    if missing := not_run(family, design, table):
+        lines += [f"**Not run** ({len(missing)} of the {len(defined_comparisons(family, design))} comparisons: an "
+                  "arm has no counted unit; each counts in Holm's m): "
+                  + "; ".join(f"{group} {deq} vs {other}" for group, deq, other in missing) + ".", ""]
     by_group: dict[str, dict[str, dict]] = {}
     for s in summaries:
         by_group.setdefault(s["group"], {})[s["variant"]] = s
