@@ -81,6 +81,7 @@ def training_closes_on_the_exact_denoiser(net: nn.Module, mixture: Mixture, step
     sigma_eval = loss.draw_sigma(len(x_eval), x_eval, gen)
     noise_eval = torch.randn(x_eval.shape, generator=gen, dtype=x_eval.dtype)
     y_eval = x_eval + sigma_eval[:, None] * noise_eval
+    held_out: dict[str, torch.Tensor] = {}  # the per-draw losses, before and after
 
     def measured(prefix: str) -> dict[str, float]:
         net.eval()
@@ -90,8 +91,6 @@ def training_closes_on_the_exact_denoiser(net: nn.Module, mixture: Mixture, step
         net.train()
         return {f"distance_{prefix}": float((edm_loss_weight(sigma_eval, sigma_data) * gap).mean()),
                 f"loss_{prefix}": float(held_out[prefix].mean())}
-
-    held_out: dict[str, torch.Tensor] = {}
 
     out = measured("before")
     opt = torch.optim.Adam(net.parameters(), lr=lr)

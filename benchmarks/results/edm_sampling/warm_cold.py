@@ -13,7 +13,7 @@ KID against the Inception features of the first REFERENCE MNIST training images:
 the standard error over 5 disjoint sample blocks (`deqscore.metrics.quality.kid_standard_error`). The difference
 warm - cold is paired: block by block, the same reference rows, then its standard error over the blocks.
 
-Run (one thread, about 10 core-minutes)::
+Run (one thread, about 5 core-minutes)::
 
     OMP_NUM_THREADS=1 PYTHONPATH=.:lab python benchmarks/results/edm_sampling/warm_cold.py
 """

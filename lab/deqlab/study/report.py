@@ -231,16 +231,16 @@ def design_section(family: Family, design: Protocol, rules: Protocol, units: lis
              f"* **code**: {code_of(units)}",
              *([f"* **left out**: {left_out} unit files recorded with other settings"] if left_out else []), "",
              *arm_table(family, design, rules, units, summaries)]
-    table = comparisons(family, design, rules, units, memory)
+    table, defined = comparisons(family, design, rules, units, memory), len(defined_comparisons(family, design))
     rows = [comparison_row(c) for c in table] or [no_comparison(why="no comparison yet")]
     alpha = rules.text["rule"]["holm"]["alpha"]
     lines += [f"**The verdicts** ({family.judged(design).label}, margin {margin_text(family, design)}; Holm's "
-              f"correction over the {len(defined_comparisons(family, design))} comparisons this design defines, "
+              f"correction over the {defined} comparisons this design defines, "
               f"familywise alpha {alpha}; interim: an arm short of its protocol seeds, not a result; across "
               f"devices: its units ran on more than one device, whose arithmetic differs):", "",
               *pipe_table(COMPARISON_HEADER, rows), ""]
     if missing := not_run(family, design, table):
-        lines += [f"**Not run** ({len(missing)} of the {len(defined_comparisons(family, design))} comparisons: an "
+        lines += [f"**Not run** ({len(missing)} of the {defined} comparisons: an "
                   "arm has no counted unit; each counts in Holm's m): "
                   + "; ".join(f"{group} {deq} vs {other}" for group, deq, other in missing) + ".", ""]
     by_group: dict[str, dict[str, dict]] = {}
