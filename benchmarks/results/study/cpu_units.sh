@@ -1,0 +1,41 @@
+#!/bin/bash
+# The CPU families' study units in the background, on the study's 2-core machine: one process with one torch
+# thread per family (niced), each at the commit its recorded units ran at, in a git worktree beside this checkout,
+# so that a comparison's arms share their code. A recorded unit is read back, not run again, so starting again
+# after a stop goes on where it stopped.
+#   bash benchmarks/results/study/cpu_units.sh start dkef nice   # worktrees (made once), then one chain a family
+#   bash benchmarks/results/study/cpu_units.sh collect dkef nice # the worktrees' unit files here, then the page
+# Logs: ../units_<family>.log. A chain's progress: ls ../units_<family>/benchmarks/results/study/<family>/*/
+set -euo pipefail
+ROOT=$(git rev-parse --show-toplevel)
+PY=${PY:-$ROOT/.venv/bin/python}
+RESULTS=benchmarks/results/study
+
+# the commit of a family's recorded units, and its arms still to run under protocol v6
+declare -A COMMIT=([dkef]=72f9b85 [nice]=51e2352 [vae]=e779b85)
+declare -A ARMS=([dkef]=deq,deq_faithful,explicit_deep [nice]=explicit_deep,deq_reference
+                 [vae]=deq,deq_faithful,explicit_deep,gaussian)
+
+action=${1:-}; shift || true
+[ -n "$action" ] && [ $# -gt 0 ] || { echo "usage: cpu_units.sh start|collect FAMILY... (of: ${!COMMIT[*]})" >&2; exit 2; }
+for family in "$@"; do
+  [ -n "${COMMIT[$family]:-}" ] || { echo "cpu_units.sh: no chain for family '$family' (of: ${!COMMIT[*]})" >&2; exit 2; }
+  tree=$(dirname "$ROOT")/units_$family
+  case $action in
+    start)
+      if [ ! -d "$tree" ]; then
+        git -C "$ROOT" worktree add -q --detach "$tree" "${COMMIT[$family]}"
+        rm -rf "${tree:?}/$RESULTS/$family" && cp -a "$ROOT/$RESULTS/$family" "$tree/$RESULTS/"
+      fi
+      (cd "$tree" && OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONPATH="$tree:$tree/lab" \
+        nohup nice -n 19 "$PY" -m deqlab study --family "$family" --variants "${ARMS[$family]}" \
+        >> "$tree.log" 2>&1 &)
+      echo "$family: started at ${COMMIT[$family]} in $tree (log $tree.log)" ;;
+    collect)
+      cp -a "$tree/$RESULTS/$family/." "$ROOT/$RESULTS/$family/" ;;
+    *) echo "cpu_units.sh: unknown action '$action' (start or collect)" >&2; exit 2 ;;
+  esac
+done
+if [ "$action" = collect ]; then
+  cd "$ROOT" && "$PY" -m deqlab study --report
+fi
