@@ -23,23 +23,28 @@ for family in "$@"; do
   tree=$(dirname "$ROOT")/units_$family
   case $action in
     start)
+      if pgrep -f "deqlab study --family $family --variants" > /dev/null; then
+        echo "cpu_units.sh: $family's chain is already running (pgrep -af 'deqlab study --family $family')" >&2; exit 2
+      fi
       if [ ! -d "$tree" ]; then
         git -C "$ROOT" worktree add -q --detach "$tree" "${COMMIT[$family]}"
         rm -rf "${tree:?}/$RESULTS/$family" && cp -a "$ROOT/$RESULTS/$family" "$tree/$RESULTS/"
       fi
       # an older commit may lack the rule that keeps an earlier design's unit under <data>/v<version>/ when a
       # unit of the newer design takes its place: apply this checkout's rule to the arms about to run
-      PYTHONPATH="$ROOT/lab" "$PY" -c 'import sys; from pathlib import Path
+      PYTHONPATH="$ROOT/lab" "$PY" -c 'import json, sys; from pathlib import Path
 from deqlab.study.core import keep_earlier; from deqlab.study.protocol import load
 protocol = load(); arms = sys.argv[2].split(",")
 for unit in sorted(Path(sys.argv[1]).glob("*/*_s*.json")):
-    if unit.stem.rsplit("_s", 1)[0] in arms: keep_earlier(unit, unit.parent, protocol)' \
+    if json.loads(unit.read_text())["variant"] in arms: keep_earlier(unit, unit.parent, protocol)' \
         "$tree/$RESULTS/$family" "${ARMS[$family]}"
       (cd "$tree" && OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONPATH="$tree:$tree/lab" \
         nohup nice -n 19 "$PY" -m deqlab study --family "$family" --variants "${ARMS[$family]}" \
         >> "$tree.log" 2>&1 &)
       echo "$family: started at ${COMMIT[$family]} in $tree (log $tree.log)" ;;
     collect)  # the worktree's copy, made from this one at the start, is the family's record: mirror it
+      [ -d "$tree/$RESULTS/$family" ] || { echo "cpu_units.sh: no worktree $tree to collect from (start it first)" >&2
+                                           exit 2; }
       rm -rf "${ROOT:?}/$RESULTS/$family" && cp -a "$tree/$RESULTS/$family" "$ROOT/$RESULTS/" ;;
     *) echo "cpu_units.sh: unknown action '$action' (start or collect)" >&2; exit 2 ;;
   esac
