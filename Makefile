@@ -28,7 +28,8 @@ demo: $(STAMP)
 	@echo "samples: checkpoints/demo/samples.png  curves: checkpoints/demo/curves.png  log: checkpoints/demo/metrics.csv"
 
 # One pytest worker per core of the 2-core machine the suite is sized for (each worker's torch runs one thread);
-# the tests that start processes of their own share one worker (their xdist_group).
+# the tests that start processes of their own share one worker, and so do those of a module with a costly module
+# fixture (their xdist_group; tests/test_suite_scheduling.py checks that pytest and xdist honour it).
 test: $(STAMP)
 	$(VENV)/bin/ruff check deqscore lab tests train.py sample.py
 	$(PY) -m pytest -q --durations=10 -n 2 --dist loadgroup tests deqscore lab/deqlab --doctest-modules

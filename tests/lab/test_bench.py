@@ -29,6 +29,8 @@ from deqscore.lightning import NCSNModule, build_module, load_module
 from deqscore.metrics import SavedTensorMeter, parameter_count
 from tests.lightning.conftest import tiny_args
 
+pytestmark = pytest.mark.xdist_group("bench")  # one worker runs the module, so its module fixture is built once
+
 DKEF_RUN = bench_dkef.RUNS["quick"]
 
 

@@ -14,6 +14,8 @@ from deqlab.gpu_images import IMAGE_FAMILIES, score
 from deqlab.gpu_steps import family_entries, ratio_row
 from deqscore.families import declarations
 
+pytestmark = pytest.mark.xdist_group("bench_gpu")  # one worker runs the module, so its module fixture is built once
+
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):

@@ -27,6 +27,8 @@ from tests.test_layering import FLOORS, PACKAGE
 
 from .conftest import tiny_args
 
+pytestmark = pytest.mark.xdist_group("fid_callback")  # one worker runs the module, so its module fixture is built once
+
 CONFIG = "configs/ncsn/explicit_mnist.yaml"
 N, REFERENCE, BATCH = 6, 10, 4
 

@@ -23,6 +23,8 @@ import torch
 
 from deqlab.kernels import FiniteDEQ, deq_nngp, deq_ntk, empirical_nngp, empirical_ntk
 
+pytestmark = pytest.mark.xdist_group("finite_width")  # one worker runs the module, so its module fixture is built once
+
 SW2, SU2, SB2 = 0.5, 0.3, 0.2
 PHANTOM_K = 2
 C_BIAS = 32.0
