@@ -9,7 +9,9 @@ records depends on ``backward``:
 * ``"unroll"``: every Picard iteration recorded (the memory-hungry exact reference for tests and benchmarks).
 * ``"ift"``: one re-attaching step whose gradient a backward hook corrects by solving ``g = J^T g + grad``:
   exact for first-order losses. The hook records no graph, so it raises under ``create_graph=True`` rather
-  than give a silently wrong second derivative.
+  than give a silently wrong second derivative. The solve is ``ift_solver``'s: ``"picard"`` (the default) sums
+  the Neumann series, which diverges once the Jacobian's spectral radius reaches 1; ``"anderson"`` or
+  ``"broyden"`` need only ``I - J`` to be invertible, as the forward's Anderson solve does.
 * ``"implicit"``: derivatives of every order of the exact fixed point (:mod:`.implicit`), each one more adjoint
   solve in differentiable operations; memory: a few evaluations of the map's graph, whatever the iterations. A map
   linear in ``z`` (``affine_weight()``) is solved directly. The adjoint solves use the forward's solver options
@@ -97,7 +99,8 @@ class DEQ(nn.Module):
             method ``prestep_residual(z, u)`` supplies ``h`` itself (used for a reference variant).
         warm_start: start from the previous fixed point when the input shape and device repeat (never under
             ``"unroll"``, whose derivative depends on the start).
-        ift_max_iter, ift_tol: iteration cap and tolerance of the IFT backward's fixed-point solve.
+        ift_max_iter, ift_tol: iteration cap and relative tolerance of the IFT backward's fixed-point solve.
+        ift_solver: registered solver of the IFT backward's solve (``picard``: the Neumann series).
         warn_on_nonconvergence: emit :class:`DEQConvergenceWarning` when ``max_iter`` is hit.
         check_every: host convergence test every this many iterations of the forward and IFT backward solves
             (1: every one; 0: never, ``max_iter`` / ``ift_max_iter`` iterations; see the module docstring).
@@ -118,11 +121,13 @@ class DEQ(nn.Module):
         warm_start: bool = False,
         ift_max_iter: int = 200,
         ift_tol: float = 1e-8,
+        ift_solver: str = "picard",
         warn_on_nonconvergence: bool = True,
         check_every: int = 1,
     ):
         super().__init__()
         get_solver(solver)  # fail early on unknown names
+        get_solver(ift_solver, "DEQ ift_solver")
         check_stopping(tol, stop_mode)
         check_backward(backward)
         _check_counts(max_iter, phantom_steps, ift_max_iter)
@@ -142,6 +147,7 @@ class DEQ(nn.Module):
         self.warm_start = warm_start
         self.ift_max_iter = ift_max_iter
         self.ift_tol = ift_tol
+        self.ift_solver = ift_solver
         self.warn_on_nonconvergence = warn_on_nonconvergence
         self.check_every = check_every
         self.stats: SolverStats | None = None
@@ -162,6 +168,7 @@ class DEQ(nn.Module):
             f"solver={self.solver}, max_iter={self.max_iter}, tol={self.tol}, backward={self.backward}, "
             f"phantom_steps={self.phantom_steps}, phantom_damping={self.phantom_damping}"
             + (f", check_every={self.check_every}" if self.check_every != 1 else "")
+            + (f", ift_solver={self.ift_solver}" if self.ift_solver != "picard" else "")
         )
 
     def warm_starts(self) -> dict[str, torch.Tensor]:
@@ -248,8 +255,8 @@ class DEQ(nn.Module):
             )
 
     def _record(self, stats: SolverStats, level: int = 0, device: torch.device | None = None) -> None:
-        """Keep a solve's statistics and warn if it missed its tolerance (``level`` > 0: an adjoint solve of
-        ``backward="implicit"``, counted with the backward solves)."""
+        """Keep a solve's statistics and warn if it missed its tolerance (``level`` > 0: an adjoint solve, the
+        IFT backward's or one of ``backward="implicit"``, counted with the backward solves)."""
         if level:
             self.adjoint_stats[level] = stats
             failed = ~stats.converged if stats.deferred else torch.tensor(not stats.converged, device=device)
@@ -264,7 +271,8 @@ class DEQ(nn.Module):
             self._count("unconverged", ~stats.converged)
             return
         if not stats.converged and self.warn_on_nonconvergence:
-            what = f"adjoint solve (level {level}) of solver" if level else "solver"
+            what = ("IFT backward solve of solver" if self.backward == "ift" else
+                    f"adjoint solve (level {level}) of solver") if level else "solver"
             warnings.warn(
                 f"DEQ {what} {stats.solver!r} did not converge in {stats.nstep} iterations: "
                 f"abs residual {stats.abs_residual:.3e}, rel residual {stats.rel_residual:.3e}, "
@@ -347,7 +355,8 @@ class DEQ(nn.Module):
             fz = self.func(z_in, cast(u))
         if not fz.requires_grad:  # nothing to differentiate (e.g. under no_grad)
             return fz
-        max_iter, tol, check_every = self.ift_max_iter, self.ift_tol, self.check_every
+        solver = get_solver(self.ift_solver)
+        extra = {} if self.check_every == 1 else {"check_every": self.check_every}
 
         def implicit_grad(grad: torch.Tensor) -> torch.Tensor:
             if torch.is_grad_enabled():
@@ -357,26 +366,13 @@ class DEQ(nn.Module):
                     "and would get silently wrong parameter gradients. Use backward='implicit' (exact), 'phantom' "
                     "or 'unroll'."
                 )
-            # Solve g = J^T g + grad, J = d func / d z at the fixed point, by fixed-point iteration.
-            g = grad
-            if check_every != 1:
-                return self._ift_deferred(fz, z_in, grad, max_iter, tol, check_every)
-            for _ in range(max_iter):
-                (jtg,) = torch.autograd.grad(fz, z_in, g, retain_graph=True)
-                g_new = jtg + grad
-                change, size = torch.stack([(g_new - g).norm(), g_new.norm()]).tolist()
-                g = g_new
-                if change <= tol * (size + 1e-30):
-                    self._count_ift(torch.zeros((), device=g.device))
-                    break
-            else:
-                self._count_ift(torch.ones((), device=g.device))
-                warnings.warn(
-                    f"DEQ IFT backward did not converge in {max_iter} iterations: relative change "
-                    f"{change / (size + 1e-30):.3e} > ift_tol {tol:.1e}; the gradient is inexact",
-                    DEQConvergenceWarning,
-                    stacklevel=2,
-                )
+
+            def step(g: torch.Tensor) -> torch.Tensor:  # g = J^T g + grad, J = d func / d z at the fixed point
+                return torch.autograd.grad(fz, z_in, g, retain_graph=True)[0] + grad
+
+            # from grad, the Neumann series' first term; the tolerance is relative (a gradient's scale is arbitrary)
+            g, stats = solver(step, grad, tol=self.ift_tol, max_iter=self.ift_max_iter, stop_mode="rel", **extra)
+            self._record(stats, level=1, device=g.device)
             return g
 
         # The hook sits on a view of fz, not on fz: a hook on fz's own graph node that refers to fz would make a
@@ -385,22 +381,6 @@ class DEQ(nn.Module):
         out = fz.view_as(fz)
         out.register_hook(implicit_grad)
         return out
-
-    def _ift_deferred(self, fz: torch.Tensor, z_in: torch.Tensor, grad: torch.Tensor, max_iter: int, tol: float,
-                      check_every: int) -> torch.Tensor:
-        """The IFT backward solve with the stopping test read every ``check_every`` iterations (0: never); a
-        failure to meet ``tol`` is counted on the device (``read_deferred``)."""
-        g, done = grad, torch.zeros((), dtype=torch.bool, device=grad.device)
-        for i in range(1, max_iter + 1):
-            (jtg,) = torch.autograd.grad(fz, z_in, g, retain_graph=True)
-            g_new = jtg + grad
-            done = (g_new - g).norm() <= tol * (g_new.norm() + 1e-30)
-            g = g_new
-            if check_every and i % check_every == 0 and bool(done):  # one sync per checked iteration
-                break
-        self._count("backward_failures", ~done)
-        self._count_ift(~done)
-        return g
 
 
 def set_aside_warm_starts(module: nn.Module) -> list[tuple[DEQ, dict[str, torch.Tensor]]]:

@@ -101,12 +101,12 @@ def available_solvers() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_solver(name: str) -> Solver:
-    """Look a solver up by name; unknown names raise a ``ValueError`` listing the known ones."""
+def get_solver(name: str, option: str = "DEQ solver") -> Solver:
+    """Look a solver up by name; unknown names raise a ``ValueError`` naming ``option`` and the known ones."""
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise choice_error("DEQ solver", name, available_solvers()) from None
+        raise choice_error(option, name, available_solvers()) from None
 
 
 def check_stopping(tol: float, stop_mode: str) -> None:

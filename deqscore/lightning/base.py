@@ -245,8 +245,8 @@ class ScoreModule(NonFiniteStops, pl.LightningModule):
         stats = [d.stats for d in self.deq_layers() if d.stats is not None]
         if not stats:
             return {}
-        # backward="implicit": the last adjoint solve of every nesting level (of the previous step's parameter
-        # gradient, and of this step's own input derivatives), logged as deq/adjoint_*
+        # the adjoint solves, logged as deq/adjoint_*: backward="ift", its backward solve; "implicit", the last of
+        # every nesting level (of the previous step's parameter gradient, and of this step's own input derivatives)
         adjoint = [s for d in self.deq_layers() for s in d.adjoint_stats.values()]
         return {**self._solve_stats(stats), **(self._solve_stats(adjoint, "deq/adjoint_") if adjoint else {}),
                 **self._ift_stats()}

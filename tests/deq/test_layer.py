@@ -246,8 +246,50 @@ def test_unroll_ignores_warm_start_so_its_derivative_stays_exact():
 def test_ift_backward_warns_when_its_solve_does_not_converge():
     net = _make("ift", rho=0.9, ift_max_iter=2)
     x = torch.randn(4, DIM, dtype=torch.float64)
-    with pytest.warns(DEQConvergenceWarning, match="IFT backward did not converge in 2 iterations"):
+    with pytest.warns(DEQConvergenceWarning, match="IFT backward solve of solver 'picard' did not converge in 2 "):
         net(x).pow(2).mean().backward()
+
+
+class ExpandingMap(nn.Module):
+    """``f(z, u) = A z + u`` with ``A``'s eigenvalues -1.5, 1.3, 0.5 and -0.2 (spectral radius 1.5, ``I - A``
+    invertible), iterated as any map (no ``affine_weight``): the Neumann series of ``(I - A^T)^-1`` diverges."""
+
+    def __init__(self):
+        super().__init__()
+        q, _ = torch.linalg.qr(torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
+        self.register_buffer("a", q @ torch.diag(torch.tensor([-1.5, 1.3, 0.5, -0.2], dtype=torch.float64)) @ q.T)
+
+    def forward(self, z, u):
+        return z @ self.a.T + u
+
+
+@pytest.mark.parametrize("ift_solver", ["anderson", "broyden"])
+def test_ift_backward_with_a_quasi_newton_solver_is_exact_past_a_spectral_radius_of_one(ift_solver):
+    """dL/du = (I - A^T)^-1 c for L = c . z*, z* = (I - A)^-1 u: the registry's solvers meet it where the
+    default Neumann series (picard) does not."""
+    u = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    c = torch.randn(3, 4, dtype=torch.float64)
+    for solver in ("picard", ift_solver):
+        deq = DEQ(ExpandingMap(), solver="anderson", tol=1e-12, max_iter=50, backward="ift", ift_solver=solver,
+                  ift_tol=1e-12, ift_max_iter=50)
+        u.grad = None
+        z = deq(u)
+        assert torch.allclose(z, torch.linalg.solve(torch.eye(4, dtype=torch.float64) - deq.func.a, u.T).T)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            (c * z).sum().backward()
+        exact = torch.linalg.solve(torch.eye(4, dtype=torch.float64) - deq.func.a.T, c.T).T
+        if solver == "picard":
+            assert [w.category for w in caught] == [DEQConvergenceWarning]
+            assert not torch.allclose(u.grad, exact, rtol=1e-3)
+        else:
+            assert not caught and deq.adjoint_stats[1].converged and deq.ift_failure_fraction().item() == 0.0
+            torch.testing.assert_close(u.grad, exact, rtol=1e-9, atol=1e-10)
+
+
+def test_an_unknown_ift_solver_is_refused_at_construction():
+    with pytest.raises(ValueError, match="DEQ ift_solver 'nope'"):
+        DEQ(ExpandingMap(), backward="ift", ift_solver="nope")
 
 
 @pytest.mark.parametrize("check_every", [1, 0])

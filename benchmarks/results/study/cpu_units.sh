@@ -23,7 +23,7 @@ for family in "$@"; do
   tree=$(dirname "$ROOT")/units_$family
   case $action in
     start)
-      if pgrep -f "deqlab study --family $family --variants" > /dev/null; then
+      if pgrep -f "deqlab study --family $family( |$)" > /dev/null; then  # a chain of this script's or a hand-started one
         echo "cpu_units.sh: $family's chain is already running (pgrep -af 'deqlab study --family $family')" >&2; exit 2
       fi
       if [ ! -d "$tree" ]; then
