@@ -11,10 +11,12 @@ ROOT=$(git rev-parse --show-toplevel)
 PY=${PY:-$ROOT/.venv/bin/python}
 RESULTS=benchmarks/results/study
 
-# the commit of a family's recorded units, and its arms still to run under protocol v6
-declare -A COMMIT=([dkef]=72f9b85 [nice]=51e2352 [vae]=e779b85)
+# the commit of a family's recorded units, and its arms still to run under protocol v6 (the image families: every
+# arm on the CPU at one commit, the one whose EDM DEQ solves its IFT backward by Anderson)
+declare -A COMMIT=([dkef]=72f9b85 [nice]=51e2352 [vae]=e779b85 [ncsn]=c12092d [edm]=c12092d)
 declare -A ARMS=([dkef]=deq,deq_faithful,explicit_deep [nice]=explicit_deep,deq_reference
-                 [vae]=deq,deq_faithful,explicit_deep,gaussian)
+                 [vae]=deq,deq_faithful,explicit_deep,gaussian [ncsn]=untrained,explicit,deq,ncsnv2
+                 [edm]=untrained,explicit,deq)
 
 action=${1:-}; shift || true
 [ -n "$action" ] && [ $# -gt 0 ] || { echo "usage: cpu_units.sh start|collect FAMILY... (of: ${!COMMIT[*]})" >&2; exit 2; }
