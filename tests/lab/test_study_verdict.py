@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from deqlab.study import protocol as protocol_module
+from deqlab.study.tables import reference_solve
 from deqlab.study.trust import derivative_error, spectral_radius, trust_figures
 from deqlab.study.verdict import holm, incomplete_beta, non_inferiority, power, seeds_needed, t_cdf, t_quantile
 from deqscore.deq import DEQ
@@ -143,10 +144,10 @@ class LinearModule(nn.Module):
 
     deq_objective = "loss"
 
-    def __init__(self, a: float, steps: int):
+    def __init__(self, a: float, steps: int, solver: str = "picard"):
         super().__init__()
         self.lin = nn.Linear(3, 3)
-        self.deq = DEQ(ScaledMap(a), solver="picard", tol=1e-12, max_iter=2000, phantom_steps=steps)
+        self.deq = DEQ(ScaledMap(a), solver=solver, tol=1e-12, max_iter=2000, phantom_steps=steps)
 
     def deq_layers(self):
         return [self.deq]
@@ -168,6 +169,29 @@ def test_trust_figures_of_a_linear_map_are_its_closed_forms(a, steps):
     assert figures["gradient_rel_error"] == pytest.approx(a**steps, rel=1e-6)
     assert figures["objective_rel_error"] < 1e-9  # the value is the fixed point's either way
     assert figures["capped_solves"] == 0.0 and figures["exact_converged"]
+    assert figures["exact_reference"] == "unroll"
+
+
+@pytest.mark.parametrize("a, steps", [(-1.5, 2), (1.4, 3)])
+def test_past_a_contraction_of_one_the_reference_is_the_implicit_derivative_by_the_layers_solver(a, steps):
+    """|a| > 1: unrolled Picard diverges, Anderson finds z* = u / (1 - a) and the derivative 1 / (1 - a); K phantom
+    steps give sum_{k<K} a^k of it, a relative error |a|^K (above 1)."""
+    torch.manual_seed(0)
+    module = LinearModule(a, steps, solver="anderson").double()
+    x = torch.randn(6, 3, dtype=torch.float64)
+    figures = trust_figures(module, x)
+    assert figures["exact_reference"] == "implicit" and figures["exact_converged"]
+    assert figures["contraction"] == pytest.approx(abs(a), rel=1e-9)
+    assert figures["derivative_rel_error"] == pytest.approx(abs(a) ** steps, rel=1e-6)
+    assert figures["gradient_rel_error"] == pytest.approx(abs(a) ** steps, rel=1e-6)
+    assert figures["objective_rel_error"] < 1e-9
+
+
+def test_the_reference_solve_cell_counts_the_implicit_references():
+    figures = [{"exact_converged": True, "exact_reference": "implicit"}, {"exact_converged": True},
+               {"exact_converged": False, "exact_at_floor": True, "exact_reference": "unroll"}]
+    assert reference_solve(figures) == ("2 of 3 converged, 1 by the implicit derivative (the unrolled solve "
+                                        "diverged), 1 at float32's floor")
 
 
 def test_power_iteration_finds_the_largest_eigenvalue_per_sample():

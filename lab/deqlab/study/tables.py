@@ -35,7 +35,7 @@ def trust_table(units: list[dict], rules: Protocol) -> list[str]:
              "objective's error against the root mean square of its per-sample terms):", ""]
     header = ["data", "variant", "seeds", "contraction", "K", "contraction^K", "derivative error", "objective error",
               "gradient error", "gradient cosine", "gradient norm ratio", "capped solves (test / training)",
-              "unrolled solve", "faithful"]
+              "reference solve", "faithful"]
     rows = []
     for group, name in dict.fromkeys((u["group"], u["variant"]) for u in runs):
         arm = [u for u in runs if (u["group"], u["variant"]) == (group, name)]
@@ -55,11 +55,15 @@ def trust_table(units: list[dict], rules: Protocol) -> list[str]:
 
 
 def reference_solve(figures: list[dict]) -> str:
-    """How the unrolled reference solves ended: converged, at float32's floor (the residual stalled at the
-    precision's limit, which is as converged as float32 allows), or unconverged."""
+    """How the reference solves ended: converged, at float32's floor (the residual stalled at the precision's limit,
+    which is as converged as float32 allows), or unconverged; and how many were the implicit derivative, which
+    replaces the unrolled solve where that diverges (:func:`deqlab.study.trust.trust_figures`)."""
     converged = sum(bool(f["exact_converged"]) for f in figures)
     floor = sum(not f["exact_converged"] and bool(f.get("exact_at_floor")) for f in figures)
     parts = [f"{converged} of {len(figures)} converged"]
+    implicit = sum(f.get("exact_reference") == "implicit" for f in figures)
+    if implicit:
+        parts.append(f"{implicit} by the implicit derivative (the unrolled solve diverged)")
     if floor:
         parts.append(f"{floor} at float32's floor")
     unknown = sum(not f["exact_converged"] and "exact_at_floor" not in f for f in figures)
