@@ -12,8 +12,9 @@ PY=${PY:-$ROOT/.venv/bin/python}
 RESULTS=benchmarks/results/study
 
 # the commit of a family's recorded units, and its arms still to run under protocol v6 (the image families: every
-# arm on the CPU at one commit, the one whose EDM DEQ solves its IFT backward by Anderson)
-declare -A COMMIT=([dkef]=72f9b85 [nice]=51e2352 [vae]=e779b85 [ncsn]=c12092d [edm]=c12092d)
+# arm on the CPU at one commit: EDM's DEQ solves its IFT backward by Anderson, and the trust figures' exact
+# reference is the implicit derivative where an unrolled solve diverges)
+declare -A COMMIT=([dkef]=72f9b85 [nice]=51e2352 [vae]=e779b85 [ncsn]=36ebc25 [edm]=36ebc25)
 declare -A ARMS=([dkef]=deq,deq_faithful,explicit_deep [nice]=explicit_deep,deq_reference
                  [vae]=deq,deq_faithful,explicit_deep,gaussian [ncsn]=untrained,explicit,deq,ncsnv2
                  [edm]=untrained,explicit,deq)
