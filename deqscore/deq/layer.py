@@ -194,6 +194,11 @@ class DEQ(nn.Module):
         return cache.to(u.device) if torch.is_autocast_enabled(u.device.type) else cache.to(u.device, u.dtype)
 
     @property
+    def _check_every_option(self) -> dict[str, int]:
+        # registered solvers of users need not know check_every: it is passed only when it is not the default
+        return {} if self.check_every == 1 else {"check_every": self.check_every}
+
+    @property
     def _warm(self) -> bool:
         # Under "unroll" the derivative is that of the recorded trajectory, which depends on its start: a warm
         # start would cut it to a few steps (a few Neumann terms), so unrolls start cold and keep no cache.
@@ -202,12 +207,10 @@ class DEQ(nn.Module):
     def _run_solver(self, solver: Solver, u: torch.Tensor | Callable[[torch.Tensor], torch.Tensor],
                     z_init: torch.Tensor) -> torch.Tensor:
         """The forward solve of ``z = func(z, u)`` (or of ``z = u(z)`` for a map ``u`` given whole)."""
-        # registered solvers of users need not know check_every: it is passed only when it is not the default
-        extra = {} if self.check_every == 1 else {"check_every": self.check_every}
         step = u if callable(u) else lambda z: self.func(z, u)
         z, stats = solver(
             step, z_init, tol=self.tol, max_iter=self.max_iter, stop_mode=self.stop_mode,
-            per_sample=self.per_sample, **extra,
+            per_sample=self.per_sample, **self._check_every_option,
         )
         self._record(stats)
         return z
@@ -329,9 +332,8 @@ class DEQ(nn.Module):
         cache = self.adjoint_cache.get(level)
         warm = self.warm_start and cache is not None and cache.shape == like.shape
         w0 = cache.to(like.device, like.dtype) if warm else torch.zeros_like(like)
-        extra = {} if self.check_every == 1 else {"check_every": self.check_every}
         w, stats = solver(step, w0, tol=self.tol, max_iter=self.max_iter, stop_mode="rel",
-                          per_sample=self.per_sample, **extra)
+                          per_sample=self.per_sample, **self._check_every_option)
         self._record(stats, level, like.device)
         if self.warm_start:
             self.adjoint_cache[level] = w.detach().clone()
@@ -356,7 +358,6 @@ class DEQ(nn.Module):
         if not fz.requires_grad:  # nothing to differentiate (e.g. under no_grad)
             return fz
         solver = get_solver(self.ift_solver)
-        extra = {} if self.check_every == 1 else {"check_every": self.check_every}
 
         def implicit_grad(grad: torch.Tensor) -> torch.Tensor:
             if torch.is_grad_enabled():
@@ -371,7 +372,8 @@ class DEQ(nn.Module):
                 return torch.autograd.grad(fz, z_in, g, retain_graph=True)[0] + grad
 
             # from grad, the Neumann series' first term; the tolerance is relative (a gradient's scale is arbitrary)
-            g, stats = solver(step, grad, tol=self.ift_tol, max_iter=self.ift_max_iter, stop_mode="rel", **extra)
+            g, stats = solver(step, grad, tol=self.ift_tol, max_iter=self.ift_max_iter, stop_mode="rel",
+                              **self._check_every_option)
             self._record(stats, level=1, device=g.device)
             return g
 
