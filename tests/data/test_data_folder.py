@@ -81,7 +81,8 @@ def test_the_cli_trains_an_ncsn_on_a_folder(tmp_path):
                 "--data.init_args.data_dir", str(tmp_path / "images"), "--data.init_args.image_size", "8",
                 "--data.init_args.transform", "pixels", "--data.init_args.batch_size", "4",
                 "--model.init_args.net.init_args.channels", "3", "--model.init_args.net.init_args.ngf", "4",
-                "--model.init_args.n_levels", "3", "--trainer.fast_dev_run", "1", "--runs_root", str(tmp_path),
+                "--model.init_args.n_levels", "3", "--model.init_args.sampler.init_args.n_steps_each", "2",
+                "--trainer.fast_dev_run", "1", "--runs_root", str(tmp_path),
                 "--run_name", "own", "--trainer.enable_progress_bar", "false"])
     assert cli.model.net.dim == 3 * 8 * 8
     assert cli.model.data_source["image_size"] == 8 and cli.model.data_source["data_dir"] == str(tmp_path / "images")

@@ -1,5 +1,6 @@
 import csv
 import hashlib
+from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
@@ -156,8 +157,16 @@ def _fit(tmp_path, run_name, epochs, extra=(), ckpt=None, config="configs/nice/e
 
 
 # Runs bounded by max_steps take a different resume path in Lightning than runs bounded by epochs only: both are
-# covered (VAE configs set max_steps, the tiny NCSN and NICE ones do not; NICE is also run with it).
-RESUME_CASES = [pytest.param(c, (), id=str(c.relative_to(ROOT / "configs"))) for c in FAMILY_CONFIGS] + [
+# covered (VAE configs set max_steps, the tiny NCSN and NICE ones do not; NICE is also run with it). A reference or
+# deep-network config differs from its family's DEQ or explicit config in sizes and solver options alone, the same
+# module, network class, data module and DEQ backward: its resume runs with the slow tests.
+def _resume_case(config: Path) -> pytest.param:
+    name = str(config.relative_to(ROOT / "configs"))
+    same_as_another = config.stem.endswith("_reference") or "explicit_deep" in config.stem
+    return pytest.param(config, (), id=name, marks=[pytest.mark.slow] if same_as_another else [])
+
+
+RESUME_CASES = [_resume_case(c) for c in FAMILY_CONFIGS] + [
     pytest.param(ROOT / "configs/nice/deq.yaml", ("--trainer.max_steps", "1000"), id="nice/deq.yaml-max_steps")]
 
 

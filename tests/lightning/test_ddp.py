@@ -77,12 +77,12 @@ def test_fid_under_ddp_is_that_of_the_samples_of_both_processes(tmp_path):
         torch.manual_seed(7919 * rank)
         images.append(module.sample_images(3))
     key = {"dataset": "mnist", "split": "train", "resolution": "28x28", "count": reference}
-    union = image_stats(torch.cat(images), InceptionFeatures())
+    features, real = InceptionFeatures(), load_stats(stats_file(key, tmp_path / "stats"), key)
+    union = image_stats(torch.cat(images), features)
     assert union.count == n
-    assert frechet_distance(union, load_stats(stats_file(key, tmp_path / "stats"), key)) == pytest.approx(fid, rel=1e-4)
+    assert frechet_distance(union, real) == pytest.approx(fid, rel=1e-4)
     # one process's samples alone give another FID: the gathering is what the test checks
-    alone = image_stats(images[0], InceptionFeatures())
-    assert frechet_distance(alone, load_stats(stats_file(key, tmp_path / "stats"), key)) != pytest.approx(fid, rel=1e-3)
+    assert frechet_distance(image_stats(images[0], features), real) != pytest.approx(fid, rel=1e-3)
 
 
 class SaveRankState(pl.Callback):
@@ -283,6 +283,7 @@ def test_the_launchers_watch_gives_the_first_process_time_to_report():
         first.kill()
 
 
+@pytest.mark.slow  # the watch's grace period itself is checked above, in one process, in a second
 def test_a_rank_that_dies_while_the_first_is_slow_is_still_named(tmp_path):
     """Rank 1 exits while rank 0 is busy for longer than the launcher's watch takes to see it (faults.py): rank 0
     still names rank 1 in one line; the watch does not kill it first."""
