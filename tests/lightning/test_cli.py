@@ -160,7 +160,7 @@ def _fit(tmp_path, run_name, epochs, extra=(), ckpt=None, config="configs/nice/e
 # covered (VAE configs set max_steps, the tiny NCSN and NICE ones do not; NICE is also run with it). A reference or
 # deep-network config differs from its family's DEQ or explicit config in sizes and solver options alone, the same
 # module, network class, data module and DEQ backward: its resume runs with the slow tests.
-def _resume_case(config: Path) -> pytest.param:
+def _resume_case(config: Path):
     name = str(config.relative_to(ROOT / "configs"))
     same_as_another = config.stem.endswith("_reference") or "explicit_deep" in config.stem
     return pytest.param(config, (), id=name, marks=[pytest.mark.slow] if same_as_another else [])
