@@ -48,10 +48,12 @@ def _holder(fd: int) -> str:
 
 
 class RunLock:
-    """Exclusive lock of a run directory (:func:`lock_path`)."""
+    """Exclusive lock of a run directory (:func:`lock_path`); ``remedy`` ends the refusal's message (what the
+    command that met another holder can do)."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, remedy: str = "wait for it to finish or choose another --run_name"):
         self.run_dir = Path(run_dir)
+        self.remedy = remedy
         self.path = lock_path(self.run_dir)
         self._fd: int | None = None
 
@@ -64,9 +66,7 @@ class RunLock:
             holder = _holder(fd)
             os.close(fd)
             raise RunInUseError(
-                f"run directory {self.run_dir} is in use by process {holder}; wait for it to finish or choose "
-                "another --run_name"
-            ) from None
+                f"run directory {self.run_dir} is in use by process {holder}; {self.remedy}") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._fd = fd

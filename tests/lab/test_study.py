@@ -4,6 +4,7 @@ and scored, a recorded unit is not run again, and the page is written from the u
 import functools
 import json
 import math
+import os
 import re
 import shutil
 from pathlib import Path
@@ -44,6 +45,14 @@ def run_study(tmp_path, name: str, *more: str) -> dict:
     return main(["study", "--family", name, "--budget", str(2 / family.iterations), "--runs-root",
                  str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--config-rates",
                  "--variants", ",".join(runnable(name)), *options, *more, "--extra", *QUIET, *fit])
+
+
+def dkef_explicit_s0(root: Path, *fit_options: str) -> dict:
+    """A tiny study of DKEF's shallow network, seed 0, in ``root`` (runs/ and out/), at the config's rate."""
+    options, fit = fixture_file("dkef").STUDY_TINY
+    return main(["study", "--family", "dkef", "--budget", str(2 / FAMILIES["dkef"].iterations), "--runs-root",
+                 str(root / "runs"), "--out", str(root / "out"), "--config-rates", "--variants", "explicit",
+                 "--seeds", "0", *options[2:], "--extra", *QUIET, *fit, *fit_options])
 
 
 # NCSN's and EDM's runs (a minute each: sampling and Inception features) add nothing the fast suite lacks: the study
@@ -669,11 +678,7 @@ def test_a_unit_stopped_part_way_continues_from_its_checkpoint_and_gives_the_uni
     from .preempt import FLAG
 
     def study(root: str) -> list[dict]:
-        options, fit = fixture_file("dkef").STUDY_TINY
-        return main(["study", "--family", "dkef", "--budget", str(2 / FAMILIES["dkef"].iterations), "--runs-root",
-                     str(tmp_path / root / "runs"), "--out", str(tmp_path / root / "out"), "--config-rates",
-                     "--variants", "explicit", "--seeds", "0", *options[2:], "--extra", *QUIET, *fit,
-                     "--trainer.callbacks+=tests.lab.preempt.PreemptOnce"])["dkef"]
+        return dkef_explicit_s0(tmp_path / root, "--trainer.callbacks+=tests.lab.preempt.PreemptOnce")["dkef"]
 
     whole = study("whole")
     flag = tmp_path / "preempt"
@@ -697,6 +702,23 @@ def test_a_unit_stopped_part_way_continues_from_its_checkpoint_and_gives_the_uni
     (run / core.LAUNCH_FILE).write_text(json.dumps({**launch, "code": {"commit": "0" * 40}}))
     assert "resumed_at_step" not in study("cut")[0]["value"]
     assert (run.parent / "explicit_s0.1").is_dir()
+
+
+def test_a_unit_another_process_runs_is_refused_in_one_line_before_its_run_is_touched(tmp_path, capsys):
+    """Two study commands that reach the same unit: the second is refused by the unit's lock, in one line naming
+    its run directory, before it reads or moves the holder's run (here one without a checkpoint yet, which a launch
+    of its own would move aside)."""
+    from deqscore.lightning.runs import RunLock
+
+    run = tmp_path / "runs" / "dkef" / "redwine" / "explicit_s0"
+    run.mkdir(parents=True)
+    (run / "metrics.csv").write_text("step\n")
+    with RunLock(run), pytest.raises(SystemExit) as stop:  # held: another open file of this lock's is refused
+        dkef_explicit_s0(tmp_path)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1
+    assert f"run directory {run} is in use by process {os.getpid()}; run the study again" in err[0]
+    assert (run / "metrics.csv").exists() and sorted(p.name for p in run.parent.iterdir()) == ["explicit_s0"]
 
 
 def test_each_arm_trains_at_the_rate_its_validation_chose(tmp_path, monkeypatch):

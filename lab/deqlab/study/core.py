@@ -289,18 +289,21 @@ def train_and_evaluate(family: Family, name: str, seed: int, settings: UnitSetti
     run of the same ``launch`` that was stopped (preempted, killed) continues from its checkpoint, which gives what
     an uninterrupted run gives; any other run found in ``run_dir`` is moved aside."""
     from deqscore.cli.train import main as train
-    from deqscore.lightning.runs import move_aside
+    from deqscore.lightning.runs import RunLock, move_aside
 
     warnings.filterwarnings("ignore", "LightningCLI's args parameter is intended")  # CLI calls from Python
     variant = family.variants[name]
-    resume, resumed_steps = resumable(run_dir, launch) or (None, 0)
-    if resume is not None:
-        print(f"continuing the stopped run {run_dir} from {resume.name}")
-    elif run_dir.exists():  # left by another launch, or stopped before its first checkpoint: kept aside
-        print(f"moved the earlier run {run_dir} aside to {move_aside(run_dir)}")
-    if resume is None and launch is not None:
-        run_dir.mkdir(parents=True)
-        (run_dir / LAUNCH_FILE).write_text(json.dumps(launch))
+    # a unit another process is running is refused before its directory is read or moved (the fit takes the
+    # lock again for itself)
+    with RunLock(run_dir, remedy="run the study again once it has finished"):
+        resume, resumed_steps = resumable(run_dir, launch) or (None, 0)
+        if resume is not None:
+            print(f"continuing the stopped run {run_dir} from {resume.name}")
+        elif run_dir.exists():  # left by another launch, or stopped before its first checkpoint: kept aside
+            print(f"moved the earlier run {run_dir} aside to {move_aside(run_dir)}")
+        if resume is None and launch is not None:
+            run_dir.mkdir(parents=True)
+            (run_dir / LAUNCH_FILE).write_text(json.dumps(launch))
     iterations = family.iterations_at(settings.budget) if variant.trained else 0
     start = time.perf_counter()
     fit = train(["fit", f"--config={ROOT / variant.config}", f"--run_name={run_dir.name}",

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from deqscore.errors import ConfigError
+
 from ..measure import code_version, environment
 from .core import Family, Plan, UnitSettings, import_run_code, rerun_path, run_unit, unit_path
 from .families import families
@@ -195,8 +197,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, 
             results = run_in_processes(plan, args)
         else:
             results = run_plan(plan, Path(args.runs_root), out, "rerun" if args.rerun else "unit", args.tune_rate)
-    except ProtocolError as err:  # a recorded unit that cannot be kept: nothing moved, one line
-        parser.error(str(err))
+    except (ProtocolError, ConfigError) as err:  # a recorded unit that cannot be kept, a unit another process
+        parser.error(str(err))                  # runs: nothing moved, one line
     finally:
         torch.set_num_threads(threads)
     if args.report:
