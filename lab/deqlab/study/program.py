@@ -197,8 +197,9 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, 
             results = run_in_processes(plan, args)
         else:
             results = run_plan(plan, Path(args.runs_root), out, "rerun" if args.rerun else "unit", args.tune_rate)
-    except (ProtocolError, ConfigError) as err:  # a recorded unit that cannot be kept, a unit another process
-        parser.error(str(err))                  # runs: nothing moved, one line
+    # a recorded unit that cannot be kept, or a unit another process runs: nothing moved, one line
+    except (ProtocolError, ConfigError) as err:
+        parser.error(str(err))
     finally:
         torch.set_num_threads(threads)
     if args.report:
