@@ -196,6 +196,9 @@ def test_the_verdicts_at_the_protocols_margin(tmp_path):
     assert "| parkinsons | deq vs explicit_deep (deep) | 3 of 5 / 1 of 3 | – |" in text and \
         "fewer than two seeds a side" in text
     assert "| parkinsons | deq | deq | 3 of 5; **missing** 3, 4 |" in text  # a missing seed shown as missing
+    # an arm without a unit keeps its row: all its seeds missing (here the trust-only reference DEQ)
+    assert "| whitewine | deq_reference | deq_reference | 0 of 3; **missing** 0, 1, 2 | – | – | – | no curve | – |" \
+        in text
     assert "| 0.50 |" in text  # the DEQ's memory against the shallow network's
     assert f"Holm's correction over the {m} comparisons this design defines" in text
     # the 14 defined comparisons without units on both sides are named, not silently left out
@@ -294,6 +297,10 @@ def test_the_log_z_rule_excludes_a_unit_and_its_error_enters_the_test(tmp_path):
     row = next(line for line in text.splitlines() if line.startswith(f"| DKEF on UCI data | {V} | redwine | deq vs"))
     assert "| 4 of 5 / 5 of 5 | +0.0475 ± 0.011 |" in row and "| **holds** |" in row  # seed 4 (+3.0) left out
     assert "| **excluded**: log Z ESS 20 < 100 |" in text  # and named in the per-run table
+    write_unit(tmp_path, "dkef", "redwine", "deq_faithful", 0, {"log_likelihood": 9.0, "log_z_ess": 20.0})
+    # an arm whose every unit is excluded keeps its row, without a mean
+    assert ("| redwine | deq_faithful | deq_faithful | 0 of 5; **missing** 1, 2, 3, 4; **excluded** 0 (log Z ESS 20 "
+            "< 100) | – |") in report(tmp_path)
     write("explicit", explicit, stderr=0.2)
     write("deq", [-0.95, -0.97, -0.93, -0.96, -0.94], stderr=0.2)
     row = next(line for line in report(tmp_path).splitlines()

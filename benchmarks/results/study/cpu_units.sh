@@ -15,7 +15,7 @@ RESULTS=benchmarks/results/study
 # arm on the CPU at one commit: EDM's DEQ solves its IFT backward by Anderson, and the trust figures' exact
 # reference is the implicit derivative where an unrolled solve diverges)
 declare -A COMMIT=([dkef]=72f9b85 [nice]=51e2352 [vae]=e779b85 [ncsn]=36ebc25 [edm]=36ebc25)
-declare -A ARMS=([dkef]=deq,deq_faithful,explicit_deep [nice]=explicit_deep,deq_reference
+declare -A ARMS=([dkef]=deq_reference [nice]=deq_reference
                  [vae]=deq,deq_faithful,explicit_deep,gaussian [ncsn]=untrained,explicit,deq,ncsnv2
                  [edm]=untrained,explicit,deq)
 

@@ -170,21 +170,27 @@ def control_sentence(family: Family, design: Protocol, summaries: dict[str, dict
 
 def arm_table(family: Family, design: Protocol, rules: Protocol, units: list[dict],
               summaries: list[dict]) -> list[str]:
-    """Per arm: its protocol seeds (missing and excluded named), the mean and standard error over the counted
-    seeds, its validation curve's label and its run facts."""
+    """Per arm of a data set with units: its protocol seeds (missing and excluded named), the mean and standard
+    error over the counted seeds, its validation curve's label and its run facts. Every arm the protocol gives
+    seeds has its row, one without a counted unit too (all its seeds missing or excluded), so that no arm leaves
+    the page by not running."""
     header = ["data", "variant", "role", "seeds", *(m.label for m in family.metrics), "validation curve",
               "learning rate", "parameters", "activation memory (MiB)", "s / iteration", "solver iterations",
               "IFT misses"]
     rows = []
     rule = rules.family(family.name).get("learning_rate")
-    for s in summaries:
+    by_arm = {(s["group"], s["variant"]): s for s in summaries}
+    groups = dict.fromkeys(u["group"] for u in units)
+    for s in [by_arm.get((group, name), {"group": group, "variant": name}) for group in groups
+              for name in family.variants if design.seeds(family.name, name)]:
         variant = family.variants[s["variant"]]
         arm = arm_seeds(design, rules, units, family, s["group"], s["variant"])
         params = s.get("parameters", {}).get("mean")
         label = label_text(curve_label(rules, units, s["group"], s["variant"]))
         rates = sorted({a.split("=", 1)[1] for u in arm["counted"] for a in u["value"].get("arguments", [])
                         if rule and a.startswith(f"{rule['option']}=")})
-        rates = [rate + edge_of_grid(float(rate), rule["grid"]) for rate in rates] or ["the config's"]
+        rates = [rate + edge_of_grid(float(rate), rule["grid"]) for rate in rates] or \
+            ["the config's" if arm["counted"] else "–"]
         rows.append([s["group"], s["variant"], variant.role, seeds_cell(arm),
                      *(mean_cell(s, m.key) for m in family.metrics), label, ", ".join(rates),
                      "–" if params is None else f"{params:,.0f}", mean_cell(s, "activation_memory_mb", 2),
