@@ -7,6 +7,13 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from ..data.errors import CorruptDataError, DataNotFoundError
+from ..errors import ConfigError
+
+# a user's mistake (an option, the data's place or content): one line, no traceback, in every program that runs a
+# fit (train.py, the study)
+USAGE_ERRORS = (ConfigError, DataNotFoundError, CorruptDataError)
+
 
 class UsageError(SystemExit):
     """A usage mistake reported as one message (exit status 2)."""

@@ -30,7 +30,6 @@ from pytorch_lightning.utilities import rank_zero_info
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 from ..configfiles import ConfigFileError, composed_command_line, named_callback_options
-from ..data.errors import CorruptDataError, DataNotFoundError
 from ..errors import ConfigError
 from ..lightning.base import ScoreModule, family_registry
 from ..lightning.callbacks import ConfiguredOptimizerOptions, Preempted, SaveOnInterrupt
@@ -53,13 +52,12 @@ from ..lightning.runs import (
 )
 from ..privates import LightningCLIHooks, give_ranks_time_to_report, set_process_group_timeout
 from .checkpoints import check_checkpoint, checkpoint_conflicts, place_in_checkpoint_run
-from .errors import UsageError, print_error, usage_error
+from .errors import USAGE_ERRORS, UsageError, print_error, usage_error
 from .parser_errors import explain_refusal
 from .ranks import LostRankError, is_lost_peer, leave_process_group, lost_rank_message, parent_lost
 from .signals import StopSignals
 from .trainer_options import check_trainer_options
 
-USAGE_ERRORS = (ConfigError, DataNotFoundError, CorruptDataError)  # a user's mistake: one line, no traceback
 PROCESS_GROUP_TIMEOUT_S = 1800.0  # Lightning's and torch's default for gloo: a slow rank is not a lost one
 
 

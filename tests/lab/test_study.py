@@ -728,6 +728,20 @@ def test_a_unit_another_process_runs_is_refused_in_one_line_before_its_run_is_to
     assert (run / "metrics.csv").exists() and sorted(p.name for p in run.parent.iterdir()) == ["explicit_s0"]
 
 
+def test_a_unit_whose_data_cannot_be_read_stops_the_study_in_one_line(tmp_path, capsys):
+    """A data file met inside a unit's fit that cannot be decoded: the study stops with train.py's one line naming
+    the file (exit status 2), no traceback, and records no unit."""
+    data = tmp_path / "uci"
+    data.mkdir()
+    (data / "winequality-red.csv").write_text("not;a;wine;table\n1;2\n")
+    with pytest.raises(SystemExit) as stop:
+        dkef_explicit_s0(tmp_path, f"--data.init_args.root={data}")
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if "error" in line]
+    assert stop.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("python -m deqlab study: error: ") and "winequality-red.csv" in err[0]
+    assert not list((tmp_path / "out").rglob("*.json"))
+
+
 def test_each_arm_trains_at_the_rate_its_validation_chose(tmp_path, monkeypatch):
     """Tuning runs at every rate of the grid and the tuning seed (recorded under tuning/), then the unit at the
     rate with the best validation figure; a tie keeps the smaller rate."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from deqscore.errors import ConfigError
+from deqscore.cli.errors import USAGE_ERRORS
 
 from ..measure import code_version, environment
 from .core import Family, Plan, UnitSettings, import_run_code, rerun_path, run_unit, unit_path
@@ -197,8 +197,9 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, 
             results = run_in_processes(plan, args)
         else:
             results = run_plan(plan, Path(args.runs_root), out, "rerun" if args.rerun else "unit", args.tune_rate)
-    # a recorded unit that cannot be kept, or a unit another process runs: nothing moved, one line
-    except (ProtocolError, ConfigError) as err:
+    # a recorded unit that cannot be kept, a unit another process runs, an option or data a fit cannot use:
+    # nothing moved, one line (a fit stopped before its first checkpoint is moved aside by train.py, and says so)
+    except (ProtocolError, *USAGE_ERRORS) as err:
         parser.error(str(err))
     finally:
         torch.set_num_threads(threads)
