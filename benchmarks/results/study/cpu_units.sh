@@ -11,9 +11,10 @@ ROOT=$(git rev-parse --show-toplevel)
 PY=${PY:-$ROOT/.venv/bin/python}
 RESULTS=benchmarks/results/study
 
-# the commit of a family's recorded units, and its arms still to run under protocol v6 (the image families: every
+# the commit of a family's recorded units, and the arms its chain runs under protocol v6, the last it ran for DKEF,
+# NICE and the VAE, whose every arm is recorded (a start reads them back and runs nothing); the image families: every
 # arm on the CPU at one commit: EDM's DEQ solves its IFT backward by Anderson, and the trust figures' exact
-# reference is the implicit derivative where an unrolled solve diverges)
+# reference is the implicit derivative where an unrolled solve diverges
 declare -A COMMIT=([dkef]=72f9b85 [nice]=51e2352 [vae]=e779b85 [ncsn]=36ebc25 [edm]=36ebc25)
 declare -A ARMS=([dkef]=deq_reference [nice]=deq_reference
                  [vae]=deq,deq_faithful,explicit_deep,gaussian [ncsn]=untrained,explicit,deq,ncsnv2

@@ -197,8 +197,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, 
             results = run_in_processes(plan, args)
         else:
             results = run_plan(plan, Path(args.runs_root), out, "rerun" if args.rerun else "unit", args.tune_rate)
-    # a recorded unit that cannot be kept, a unit another process runs, an option or data a fit cannot use:
-    # nothing moved, one line (a fit stopped before its first checkpoint is moved aside by train.py, and says so)
+    # a recorded unit that cannot be kept, a unit another process runs, an option or data a fit cannot use: one
+    # line, nothing recorded (a unit stopped before its first checkpoint is moved aside by the next study)
     except (ProtocolError, *USAGE_ERRORS) as err:
         parser.error(str(err))
     finally:
