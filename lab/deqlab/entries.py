@@ -182,12 +182,12 @@ STUDIES: dict[str, Study] = {
                  "network's width, the learning rate and the sampler's steps as the protocol's fit options set them; "
                  "samples by annealed Langevin dynamics with the sampler and weights (trained or their EMA) the "
                  "protocol fixes; the learning curve is that of the scored weights. KID (the mean over 100 subsets; "
-                 "the table's ± is over seeds; a unit that records `kid_se` also holds its own standard error, over 5"
-                 " disjoint sample blocks) and FID@N of the same N samples against the Inception features of the "
-                 "first MNIST training images; the untrained row is the DEQ network at initialisation, through the "
-                 "same sampling and scoring. Where the protocol asks for it, the held-out denoising loss: every MNIST"
-                 " test image at every noise level, noise fixed by the test batch, the training weighting, the scored"
-                 " weights (train.py test with test_every_level)."),
+                 "the arm table's ± is over seeds; a unit that records `kid_se`, its own standard error over 5 "
+                 "disjoint sample blocks, shows it in the per-run table) and FID@N of the same N samples against the "
+                 "Inception features of the first MNIST training images; the untrained row is the DEQ network at "
+                 "initialisation, through the same sampling and scoring. Where the protocol asks for it, the held-out"
+                 " denoising loss: every MNIST test image at every noise level, noise fixed by the test batch, the "
+                 "training weighting, the scored weights (train.py test with test_every_level)."),
         iterations=600,
         variants={"explicit": StudyVariant("shallow", "shallow"), "ncsnv2": StudyVariant("deep", "deep"),
                   "deq": StudyVariant("deq", "deq"),

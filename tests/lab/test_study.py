@@ -591,10 +591,13 @@ def test_the_samplers_cost_cold_and_warm_reaches_the_page(tmp_path):
                 "iterations_per_sample_warm": 201 * warm}
         write_unit(tmp_path, "ncsn", "mnist", "deq", seed, {"dsm_every_level": 200.0, "kid": 0.4,
                                                             "sampling_cost": cost})
-    write_unit(tmp_path, "ncsn", "mnist", "explicit", 0, {"dsm_every_level": 200.0, "kid": 0.4})
+    write_unit(tmp_path, "ncsn", "mnist", "explicit", 0, {"dsm_every_level": 200.0, "dsm_every_level_se": 0.5,
+                                                          "kid": 0.4, "kid_std": 0.001, "kid_se": 0.02})
     text = report(tmp_path)
     assert "| mnist | deq | 2 | 201 | 8.50 | 6.50 | 1,708 | 1,306 | 1.31x |" in text
     assert "| mnist | explicit | 1 | 201 |" not in text
+    # a run's own standard errors in the per-run table (KID's over sample blocks, not its subsets' spread)
+    assert "| mnist | explicit | 0 | 200.000 ± 0.500 | 0.400 ± 0.020 |" in text
 
 
 @pytest.mark.parametrize("weights, raw", [("trained", True), ("averaged", False)])

@@ -124,8 +124,8 @@ def provenance(unit: dict) -> list[str]:
 
 
 def per_run_table(family: Family, units: list[dict], rules: Protocol) -> list[str]:
-    """Every run: its metrics (with their own spread where the metric has one), solver facts, whether it counts,
-    and its provenance."""
+    """Every run: its metrics (with their own standard error where the run records one), solver facts, whether it
+    counts, and its provenance."""
     keys = [m.key for m in family.metrics]
     header = ["data", "variant", "seed", *keys, "solver iterations", "gradient error", "counted", "protocol",
               "commit (+: uncommitted changes; =: the commit that holds them)", "threads", "torch", "device",
@@ -138,13 +138,18 @@ def per_run_table(family: Family, units: list[dict], rules: Protocol) -> list[st
         rows.append([u["group"], u["variant"], str(u["seed"]), *cells, fmt(value_of(u, "solver_iterations"), 1),
                      "–" if error is None else percent_text(error), "**excluded**: " + why if why else "yes",
                      *provenance(u)])
+    errors = any(spread(u, k) for u in units for k in keys)
     return ["<details><summary>Every run, with its provenance</summary>", "", *pipe_table(header, rows), "",
+            *(["± beside a run's metric: that run's own standard error, where it records one.", ""] if errors else []),
             "</details>", ""]
 
 
 def spread(unit: dict, key: str) -> str:
-    std = value_of(unit, f"{key}_std")
-    return "" if std is None else f" ± {fmt(std)}"
+    """`` ± `` the unit's own standard error of ``key`` where it records one (``<key>_se``: KID's over disjoint
+    sample blocks, the held-out loss's over the test images). KID's ``kid_std``, the spread of overlapping subsets,
+    is no standard error and is not shown."""
+    stderr = value_of(unit, f"{key}_se")
+    return "" if stderr is None else f" ± {fmt(stderr)}"
 
 
 def reruns_table(family: Family, judged: Metric, units: list[dict]) -> list[str]:
