@@ -2,7 +2,7 @@
 
 from .base import CheckpointFamilyError, ScoreModule, family_registry
 from .callbacks import LearningCurves, SampleGrid
-from .checkpoint import TrainedWeights, build_module, load_module
+from .checkpoint import EMAWeightAveraging, TrainedWeights, build_module, load_module
 from .dkef import DKEFModule
 from .fid import FIDCallback
 from .ncsn import NCSN_LOSSES, NCSNModule
@@ -16,6 +16,7 @@ __all__ = [
     "NICE_LOSSES",
     "CheckpointFamilyError",
     "DKEFModule",
+    "EMAWeightAveraging",
     "FIDCallback",
     "LearningCurves",
     "NICEModule",

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import EMAWeightAveraging as LightningEMA
 from pytorch_lightning.cli import instantiate_module
 from pytorch_lightning.trainer.states import TrainerFn
 
@@ -42,6 +43,31 @@ class TrainedWeights(pl.Callback):
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         if trainer.state.fn != TrainerFn.FITTING and RAW_WEIGHTS_KEY in checkpoint:  # fit resumes its own way
             pl_module.load_state_dict(checkpoint[RAW_WEIGHTS_KEY])
+
+
+class EMAWeightAveraging(LightningEMA):
+    """Lightning's EMA of the weights, whose checkpoints keep the trained weights beside their average also when
+    saved after fit (``trainer.save_checkpoint`` once ``fit`` returns). Lightning's own callback copies the average
+    into the module when training ends, so such a checkpoint holds the average twice and its trained weights
+    (``sample.py --raw-weights``, :class:`TrainedWeights`) are lost; this one keeps a copy of them from that moment
+    and writes it as the checkpoint's trained weights. Checkpoints saved during training are Lightning's."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._trained: dict[str, torch.Tensor] | None = None  # the trained weights once training has ended
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._trained = None  # a new fit's checkpoints are Lightning's until it ends
+        super().setup(trainer, pl_module, stage)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._trained = {name: value.detach().clone() for name, value in pl_module.state_dict().items()}
+        super().on_train_end(trainer, pl_module)
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)
+        if self._trained is not None and RAW_WEIGHTS_KEY in checkpoint:
+            checkpoint[RAW_WEIGHTS_KEY] = self._trained
 
 
 def _instantiate(hparams: dict[str, Any]) -> ScoreModule:

@@ -18,7 +18,7 @@ Config::
 
     trainer:
       callbacks:
-        - class_path: pytorch_lightning.callbacks.EMAWeightAveraging
+        - class_path: deqscore.lightning.EMAWeightAveraging
           init_args: {decay: 0.999}
         - class_path: deqscore.lightning.FIDCallback
           init_args: {every_n_epochs: 10, num_samples: 1000}

@@ -6,8 +6,8 @@ Each training sample draws a noise level from the schedule (``schedule``, ``sigm
 perturbed image; validation reports the same loss with fixed draws. :meth:`NCSNModule.sample` runs the
 configured :class:`deqscore.sampling.AnnealedLangevin` with the network in eval mode.
 
-Weights averaging (EMA, decay 0.999 in NCSNv2) is Lightning's callback
-``pytorch_lightning.callbacks.EMAWeightAveraging`` (the NCSN configs list it): validation,
+Weights averaging (EMA, decay 0.999 in NCSNv2) is Lightning's callback as
+:class:`deqscore.lightning.EMAWeightAveraging` (the NCSN configs list it): validation,
 the FID callback and checkpoints' ``state_dict`` use the averaged weights (the raw ones are kept beside them, so
 training resumes exactly), and ``sample.py`` samples from them unless told ``--raw-weights``.
 

@@ -68,6 +68,17 @@ def test_ema_is_the_exponential_average_used_by_validation_and_stored_in_checkpo
     assert torch.equal(torch.cat([p.flatten() for p in raw.parameters()]), recorder.after_step[-1])
 
 
+def test_a_checkpoint_saved_after_fit_keeps_the_trained_weights_beside_the_average(tmp_path):
+    """Fit's end puts the average into the module (what the end-of-fit grids and FID draw from); a checkpoint saved
+    then still holds the last step's trained weights as its trained weights, and the average as its weights."""
+    cli, recorder = _fit(tmp_path, "after", 2)
+    after_fit = tmp_path / "after" / "checkpoints" / "after_fit.ckpt"
+    cli.trainer.save_checkpoint(after_fit)
+    flat = lambda module: torch.cat([p.flatten() for p in module.parameters()])  # noqa: E731
+    assert torch.equal(flat(load_module(after_fit, raw_weights=True)), recorder.after_step[-1])
+    assert torch.allclose(flat(load_module(after_fit)), _ema(recorder.after_step, DECAY), atol=1e-6)
+
+
 def test_resume_continues_the_average_exactly(tmp_path):
     _, straight = _fit(tmp_path, "straight", 3)
     _fit(tmp_path, "split", 1)
