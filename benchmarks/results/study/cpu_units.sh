@@ -13,9 +13,9 @@ RESULTS=benchmarks/results/study
 
 # the commit of a family's recorded units, and the arms its chain runs under protocol v6, the last it ran for DKEF,
 # NICE and the VAE, whose every arm is recorded (a start reads them back and runs nothing); the image families: every
-# arm on the CPU at one commit: EDM's DEQ solves its IFT backward by Anderson, and the trust figures' exact
-# reference is the implicit derivative where an unrolled solve diverges
-declare -A COMMIT=([dkef]=72f9b85 [nice]=51e2352 [vae]=e779b85 [ncsn]=36ebc25 [edm]=36ebc25)
+# arm on the CPU at one commit, the first whose weight averaging keeps the trained weights in the checkpoint saved
+# after fit, the one a unit scores (v6 scores the trained weights; earlier commits scored their average there)
+declare -A COMMIT=([dkef]=72f9b85 [nice]=51e2352 [vae]=e779b85 [ncsn]=0b28484 [edm]=0b28484)
 declare -A ARMS=([dkef]=deq_reference [nice]=deq_reference
                  [vae]=deq,deq_faithful,explicit_deep,gaussian [ncsn]=untrained,explicit,deq,ncsnv2
                  [edm]=untrained,explicit,deq)
