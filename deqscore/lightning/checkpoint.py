@@ -41,8 +41,25 @@ class TrainedWeights(pl.Callback):
     (``--trainer.callbacks+=deqscore.lightning.TrainedWeights``; ``sample.py --raw-weights`` alike)."""
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
-        if trainer.state.fn != TrainerFn.FITTING and RAW_WEIGHTS_KEY in checkpoint:  # fit resumes its own way
-            pl_module.load_state_dict(checkpoint[RAW_WEIGHTS_KEY])
+        if trainer.state.fn != TrainerFn.FITTING:  # fit resumes its own way
+            pl_module.load_state_dict(trained_weights(checkpoint, trainer.ckpt_path))
+
+
+def trained_weights(checkpoint: dict, path: str | Path | None) -> dict[str, torch.Tensor]:
+    """The trained weights ``checkpoint`` (read from ``path``) keeps beside their average, or its only weights where
+    it averaged none. A checkpoint whose trained weights equal an average of more than one step's weights was saved
+    after fit by Lightning's own averaging callback, which had put the average in their place: a
+    :class:`~deqscore.errors.ConfigError`, never the average under the trained weights' name."""
+    trained = checkpoint.get(RAW_WEIGHTS_KEY)
+    if trained is None:
+        return checkpoint["state_dict"]
+    averaged = checkpoint.get("averaging_state", {}).get("n_averaged")
+    if averaged is not None and int(averaged) > 1 and \
+            all(torch.equal(value, checkpoint["state_dict"][name]) for name, value in trained.items()):
+        raise ConfigError(f"{path} keeps no trained weights: it was saved after fit by Lightning's weight averaging, "
+                          "which puts the average in their place; score its average (no raw weights), or train with "
+                          "deqscore.lightning.EMAWeightAveraging, whose checkpoints keep them")
+    return trained
 
 
 class EMAWeightAveraging(LightningEMA):
@@ -125,5 +142,5 @@ def load_module(path: str | Path, family: str | None = None, map_location: str =
         )
     module = _instantiate(hparams)
     module.on_load_checkpoint(ckpt)
-    module.load_state_dict(ckpt[RAW_WEIGHTS_KEY] if raw_weights and RAW_WEIGHTS_KEY in ckpt else ckpt["state_dict"])
+    module.load_state_dict(trained_weights(ckpt, path) if raw_weights else ckpt["state_dict"])
     return module.to(map_location)

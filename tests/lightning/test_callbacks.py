@@ -45,3 +45,24 @@ def test_per_epoch_grids_are_drawn_from_the_averaged_weights(tmp_path, monkeypat
         assert 0 < float(grid) < raw - 0.1
     # fit's end copies the average into the module, and the final grid is drawn from it: the last epoch's average
     assert float(drawn[2]) == float(drawn[1]) == float(module.mu.detach())
+
+
+def test_after_fit_lightnings_averaging_saves_the_average_as_the_trained_weights_and_deqscores_keeps_them(tmp_path):
+    """The two averaging callbacks on the same fit: a checkpoint saved once fit has returned."""
+    from deqscore.lightning import EMAWeightAveraging as KeepsTrained
+
+    saved = {}
+    for name, averaging in (("lightning", EMAWeightAveraging(decay=0.5)), ("deqscore", KeepsTrained(decay=0.5))):
+        module = DriftingMean()
+        trained = []
+        trainer = pl.Trainer(max_epochs=2, callbacks=[averaging], logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                             default_root_dir=tmp_path)
+        module.on_train_batch_end = lambda *args, m=module, t=trained: t.append(float(m.mu))
+        trainer.fit(module, DataLoader(TensorDataset(torch.full((8, 1), 3.0)), batch_size=4))
+        trainer.save_checkpoint(tmp_path / f"{name}.ckpt")
+        saved[name] = torch.load(tmp_path / f"{name}.ckpt", weights_only=True), trained[-1]
+    (lightning, _), (deqscore, last_step) = saved["lightning"], saved["deqscore"]
+    assert float(lightning["current_model_state"]["mu"]) == float(lightning["state_dict"]["mu"]) < last_step - 0.1
+    assert float(deqscore["current_model_state"]["mu"]) == last_step
+    assert float(deqscore["state_dict"]["mu"]) == float(lightning["state_dict"]["mu"])

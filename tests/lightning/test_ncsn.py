@@ -79,6 +79,26 @@ def test_a_checkpoint_saved_after_fit_keeps_the_trained_weights_beside_the_avera
     assert torch.allclose(flat(load_module(after_fit)), _ema(recorder.after_step, DECAY), atol=1e-6)
 
 
+def test_trained_weights_are_refused_where_a_checkpoint_holds_the_average_in_their_place(tmp_path, capsys):
+    """What Lightning's own averaging callback saves after fit: the average as the weights and as the trained
+    weights. Asked for the trained weights, load_module and sample.py say so in one line; the average still loads."""
+    from deqscore.cli.sample import main as sample
+
+    _fit(tmp_path, "ema", 2)
+    checkpoint = torch.load(tmp_path / "ema" / "checkpoints" / "last.ckpt", weights_only=False)
+    checkpoint["current_model_state"] = dict(checkpoint["state_dict"])
+    average_twice = tmp_path / "average_twice.ckpt"
+    torch.save(checkpoint, average_twice)
+    with pytest.raises(ConfigError, match="keeps no trained weights"):
+        load_module(average_twice, raw_weights=True)
+    assert load_module(average_twice) is not None
+    with pytest.raises(SystemExit) as stopped:
+        sample(["--checkpoint", str(average_twice), "--num-samples", "2", "--out", str(tmp_path / "s"),
+                "--raw-weights"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.count("\n") == 1 and "keeps no trained weights" in err, err
+
+
 def test_resume_continues_the_average_exactly(tmp_path):
     _, straight = _fit(tmp_path, "straight", 3)
     _fit(tmp_path, "split", 1)
