@@ -137,6 +137,15 @@ DEPTHS: dict[str, dict[str, Depth]] = {
     },
 }
 
+# the image units recorded before the fix of the checkpoint they score (said under both families' settings)
+BEFORE_TRAINED_WEIGHTS_FIX = (
+    " Units recorded before commit 0b28484 (the GPU units of 2026-11-27 and the first CPU units) scored the weights' "
+    "average where the protocol names the trained weights: the checkpoint a unit scores is saved after fit, and "
+    "Lightning's averaging had put the average in the trained weights' place by then (an untrained control's "
+    "average is its initialisation: its reruns at that commit give it bit for bit). Each is replaced as the CPU "
+    "chain reaches it (`benchmarks/results/study/cpu_units.sh start ncsn edm`).")
+
+
 #: family -> its study entry
 STUDIES: dict[str, Study] = {
     "nice": Study(
@@ -187,7 +196,8 @@ STUDIES: dict[str, Study] = {
                  "Inception features of the first MNIST training images; the untrained row is the DEQ network at "
                  "initialisation, through the same sampling and scoring. Where the protocol asks for it, the held-out"
                  " denoising loss: every MNIST test image at every noise level, noise fixed by the test batch, the "
-                 "training weighting, the scored weights (train.py test with test_every_level)."),
+                 "training weighting, the scored weights (train.py test with test_every_level).")
+        + BEFORE_TRAINED_WEIGHTS_FIX,
         iterations=600,
         variants={"explicit": StudyVariant("shallow", "shallow"), "ncsnv2": StudyVariant("deep", "deep"),
                   "deq": StudyVariant("deq", "deq"),
@@ -204,7 +214,7 @@ STUDIES: dict[str, Study] = {
                  "the training loss on the MNIST test images with fixed draws of sigma and noise (train.py test). "
                  "Samples by the deterministic Heun sampler (18 steps, 35 evaluations) from the weights the protocol "
                  "scores; KID and FID@N as for NCSN; the untrained row is the DEQ network at initialisation, through "
-                 "the same sampling and scoring."),
+                 "the same sampling and scoring.") + BEFORE_TRAINED_WEIGHTS_FIX,
         iterations=2000,
         variants={"explicit": StudyVariant("shallow", "shallow"), "deq": StudyVariant("deq", "deq"),
                   "untrained": StudyVariant("deq", "untrained", trained=False)},
