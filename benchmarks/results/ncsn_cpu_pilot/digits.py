@@ -25,10 +25,12 @@ OUT = Path(os.environ.get("OUT", Path(__file__).parent / "digits"))
 STATS_ROOT = os.environ.get("STATS_ROOT", str(OUT / "fid_stats"))
 CONFIG = {"explicit": "configs/ncsn/explicit_mnist.yaml", "deq": "configs/ncsn/deq_mnist.yaml",
           "ncsnv2": "configs/ncsn/ncsnv2_mnist.yaml"}[ARM]
+# the study unit's run options (seed 0, validation every tenth of v6's 800 iterations), v6's NCSN fit options, as
+# the protocol states them, and the tuned rate
+V6_FIT = json.loads(Path("benchmarks/protocol/v6.json").read_text())["families"]["ncsn"]["fit"]
 FIT = ["--seed_everything=0", "--trainer.max_epochs=-1", "--trainer.val_check_interval=80",
-       "--trainer.check_val_every_n_epoch=null", "--trainer.enable_progress_bar=false",
-       "--model.init_args.net.init_args.ngf=16", "--data.init_args.batch_size=64", "--trainer.limit_val_batches=4",
-       "--model.init_args.sampler.init_args.n_steps_each=20", "--optimizer.init_args.lr=0.001"]
+       "--trainer.check_val_every_n_epoch=null", "--trainer.enable_progress_bar=false", *V6_FIT,
+       "--optimizer.init_args.lr=0.001"]
 
 
 def children_cpu_s() -> float:
