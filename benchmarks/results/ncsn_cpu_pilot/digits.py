@@ -10,6 +10,9 @@ CPU). Each stage continues the last one's checkpoint, so the figures are those o
 Writes ``digits_<arm>.json`` into ``$OUT`` after every stage (a stopped pilot keeps what it measured), with the
 process CPU seconds of each stage's training and scoring, and each stage's grid as ``<arm>_<steps>.png``.
 ``STATS_ROOT`` names a folder of cached Inception statistics of the reference images (computed there if absent).
+``AVERAGE_DECAY`` (say 0.99, an average over about 100 steps) trains with that decay of the weight average and scores
+the average beside the trained weights at every stage, by the same check; the training is the same either way (the
+average never feeds back into it).
 """
 import json
 import os
@@ -23,6 +26,7 @@ ARM = os.environ.get("ARM", "explicit")
 STAGES = [int(s) for s in os.environ.get("STAGES", "800,1600,2400,3200,4000").split(",")]
 OUT = Path(os.environ.get("OUT", Path(__file__).parent / "digits"))
 STATS_ROOT = os.environ.get("STATS_ROOT", str(OUT / "fid_stats"))
+AVERAGE_DECAY = os.environ.get("AVERAGE_DECAY")
 CONFIG = {"explicit": "configs/ncsn/explicit_mnist.yaml", "deq": "configs/ncsn/deq_mnist.yaml",
           "ncsnv2": "configs/ncsn/ncsnv2_mnist.yaml"}[ARM]
 # the study unit's run options (seed 0, validation every tenth of v6's 800 iterations), v6's NCSN fit options, as
@@ -30,7 +34,8 @@ CONFIG = {"explicit": "configs/ncsn/explicit_mnist.yaml", "deq": "configs/ncsn/d
 V6_FIT = json.loads(Path("benchmarks/protocol/v6.json").read_text())["families"]["ncsn"]["fit"]
 FIT = ["--seed_everything=0", "--trainer.max_epochs=-1", "--trainer.val_check_interval=80",
        "--trainer.check_val_every_n_epoch=null", "--trainer.enable_progress_bar=false", *V6_FIT,
-       "--optimizer.init_args.lr=0.001"]
+       "--optimizer.init_args.lr=0.001",
+       *([f"--trainer.callbacks.ema.init_args.decay={AVERAGE_DECAY}"] if AVERAGE_DECAY else [])]
 
 
 def children_cpu_s() -> float:
@@ -50,7 +55,7 @@ OUT.mkdir(parents=True, exist_ok=True)
 runs, name = OUT / "runs", f"ncsn_{ARM}"
 record_path = OUT / f"digits_{ARM}.json"
 record = json.loads(record_path.read_text()) if record_path.exists() else {
-    "arm": ARM, "config": CONFIG, "fit": FIT, "samples": 200, "reference": 5000, "seed": 0, "stages": []}
+    "arm": ARM, "config": CONFIG, "fit": FIT, "average_decay": AVERAGE_DECAY, "samples": 200, "reference": 5000, "seed": 0, "stages": []}
 done = {stage["steps"] for stage in record["stages"]}
 for steps in STAGES:
     if steps in done:
@@ -58,13 +63,17 @@ for steps in STAGES:
     last = runs / name / "checkpoints" / "last.ckpt"
     train_s = run(["train.py", "fit", f"--config={CONFIG}", f"--run_name={name}", f"--runs_root={runs}", *FIT,
                    f"--trainer.max_steps={steps}", *([f"--ckpt_path={last}"] if last.exists() else [])])
-    samples = OUT / f"samples_{ARM}"
-    score_s = run(["sample.py", "--checkpoint", str(last), "--num-samples", "200", "--out", str(samples), "--seed",
-                   "0", "--batch-size", "250", "--raw-weights", "--fid", "--reference-images", "5000",
-                   "--stats-root", STATS_ROOT])
-    report = json.loads((samples / "fid.json").read_text())
-    shutil.copy(samples / "samples.png", OUT / f"{ARM}_{steps}.png")
-    record["stages"].append({"steps": steps, "kid": report["kid"], "kid_se": report["kid_se"], "fid": report["fid"],
-                             "train_cpu_s": train_s, "score_cpu_s": score_s})
+    stage = {"steps": steps, "train_cpu_s": train_s}
+    for weights in ("trained", *(["average"] if AVERAGE_DECAY else [])):
+        samples = OUT / f"samples_{ARM}_{weights}"
+        score_s = run(["sample.py", "--checkpoint", str(last), "--num-samples", "200", "--out", str(samples), "--seed",
+                       "0", "--batch-size", "250", *(["--raw-weights"] if weights == "trained" else []), "--fid",
+                       "--reference-images", "5000", "--stats-root", STATS_ROOT])
+        report = json.loads((samples / "fid.json").read_text())
+        suffix = "" if weights == "trained" else "_average"
+        shutil.copy(samples / "samples.png", OUT / f"{ARM}_{steps}{suffix}.png")
+        stage.update({f"kid{suffix}": report["kid"], f"kid_se{suffix}": report["kid_se"], f"fid{suffix}": report["fid"],
+                      f"score_cpu_s{suffix}": score_s})
+    record["stages"].append(stage)
     record_path.write_text(json.dumps(record, indent=1))
     print(json.dumps(record["stages"][-1]), flush=True)
