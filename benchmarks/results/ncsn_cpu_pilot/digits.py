@@ -12,7 +12,8 @@ process CPU seconds of each stage's training and scoring, and each stage's grid 
 ``STATS_ROOT`` names a folder of cached Inception statistics of the reference images (computed there if absent).
 ``AVERAGE_DECAY`` (say 0.99, an average over about 100 steps) trains with that decay of the weight average and scores
 the average beside the trained weights at every stage, by the same check; the training is the same either way (the
-average never feeds back into it).
+average never feeds back into it). ``SCORE=average`` scores the average alone, for a training whose trained weights
+an earlier pilot scored already.
 """
 import json
 import os
@@ -27,6 +28,7 @@ STAGES = [int(s) for s in os.environ.get("STAGES", "800,1600,2400,3200,4000").sp
 OUT = Path(os.environ.get("OUT", Path(__file__).parent / "digits"))
 STATS_ROOT = os.environ.get("STATS_ROOT", str(OUT / "fid_stats"))
 AVERAGE_DECAY = os.environ.get("AVERAGE_DECAY")
+SCORED = os.environ.get("SCORE", "trained,average" if AVERAGE_DECAY else "trained").split(",")
 CONFIG = {"explicit": "configs/ncsn/explicit_mnist.yaml", "deq": "configs/ncsn/deq_mnist.yaml",
           "ncsnv2": "configs/ncsn/ncsnv2_mnist.yaml"}[ARM]
 # the study unit's run options (seed 0, validation every tenth of v6's 800 iterations), v6's NCSN fit options, as
@@ -55,7 +57,8 @@ OUT.mkdir(parents=True, exist_ok=True)
 runs, name = OUT / "runs", f"ncsn_{ARM}"
 record_path = OUT / f"digits_{ARM}.json"
 record = json.loads(record_path.read_text()) if record_path.exists() else {
-    "arm": ARM, "config": CONFIG, "fit": FIT, "average_decay": AVERAGE_DECAY, "samples": 200, "reference": 5000, "seed": 0, "stages": []}
+    "arm": ARM, "config": CONFIG, "fit": FIT, "average_decay": AVERAGE_DECAY, "samples": 200, "reference": 5000,
+    "seed": 0, "stages": []}
 done = {stage["steps"] for stage in record["stages"]}
 for steps in STAGES:
     if steps in done:
@@ -64,7 +67,7 @@ for steps in STAGES:
     train_s = run(["train.py", "fit", f"--config={CONFIG}", f"--run_name={name}", f"--runs_root={runs}", *FIT,
                    f"--trainer.max_steps={steps}", *([f"--ckpt_path={last}"] if last.exists() else [])])
     stage = {"steps": steps, "train_cpu_s": train_s}
-    for weights in ("trained", *(["average"] if AVERAGE_DECAY else [])):
+    for weights in SCORED:
         samples = OUT / f"samples_{ARM}_{weights}"
         score_s = run(["sample.py", "--checkpoint", str(last), "--num-samples", "200", "--out", str(samples), "--seed",
                        "0", "--batch-size", "250", *(["--raw-weights"] if weights == "trained" else []), "--fid",
