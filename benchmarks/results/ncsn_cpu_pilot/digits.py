@@ -29,8 +29,14 @@ OUT = Path(os.environ.get("OUT", Path(__file__).parent / "digits"))
 STATS_ROOT = os.environ.get("STATS_ROOT", str(OUT / "fid_stats"))
 AVERAGE_DECAY = os.environ.get("AVERAGE_DECAY")
 SCORED = os.environ.get("SCORE", "trained,average" if AVERAGE_DECAY else "trained").split(",")
-CONFIG = {"explicit": "configs/ncsn/explicit_mnist.yaml", "deq": "configs/ncsn/deq_mnist.yaml",
-          "ncsnv2": "configs/ncsn/ncsnv2_mnist.yaml"}[ARM]
+CONFIGS = {"explicit": "configs/ncsn/explicit_mnist.yaml", "deq": "configs/ncsn/deq_mnist.yaml",
+           "ncsnv2": "configs/ncsn/ncsnv2_mnist.yaml"}
+if ARM not in CONFIGS:
+    sys.exit(f"digits.py: ARM={ARM!r}; one of {', '.join(CONFIGS)}")
+# any other name would be scored as the average and recorded under its name
+if not set(SCORED) <= {"trained", "average"} or ("average" in SCORED and not AVERAGE_DECAY):
+    sys.exit(f"digits.py: SCORE={','.join(SCORED)!r}; trained and/or average (average needs AVERAGE_DECAY)")
+CONFIG = CONFIGS[ARM]
 # the study unit's run options (seed 0, validation every tenth of v6's 800 iterations), v6's NCSN fit options, as
 # the protocol states them, and the tuned rate
 V6_FIT = json.loads(Path("benchmarks/protocol/v6.json").read_text())["families"]["ncsn"]["fit"]
