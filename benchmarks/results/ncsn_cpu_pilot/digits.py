@@ -13,7 +13,10 @@ process CPU seconds of each stage's training and scoring, and each stage's grid 
 ``AVERAGE_DECAY`` (say 0.99, an average over about 100 steps) trains with that decay of the weight average and scores
 the average beside the trained weights at every stage, by the same check; the training is the same either way (the
 average never feeds back into it). ``SCORE=average`` scores the average alone, for a training whose trained weights
-an earlier pilot scored already.
+an earlier pilot scored already. ``OPTIONS`` adds train.py options (space-separated, recorded with the fit options),
+``STEP_SIZE`` samples with that base step size instead of the checkpoint's, and ``RUNS`` names the folder of the
+training runs (default ``$OUT/runs``): an earlier pilot's, to score its checkpoints again with another sampler
+(a stage its checkpoint has passed trains nothing).
 """
 import json
 import os
@@ -29,6 +32,9 @@ OUT = Path(os.environ.get("OUT", Path(__file__).parent / "digits"))
 STATS_ROOT = os.environ.get("STATS_ROOT", str(OUT / "fid_stats"))
 AVERAGE_DECAY = os.environ.get("AVERAGE_DECAY")
 SCORED = os.environ.get("SCORE", "trained,average" if AVERAGE_DECAY else "trained").split(",")
+OPTIONS = os.environ.get("OPTIONS", "").split()
+STEP_SIZE = os.environ.get("STEP_SIZE")
+RUNS = Path(os.environ.get("RUNS", OUT / "runs"))
 CONFIGS = {"explicit": "configs/ncsn/explicit_mnist.yaml", "deq": "configs/ncsn/deq_mnist.yaml",
            "ncsnv2": "configs/ncsn/ncsnv2_mnist.yaml"}
 if ARM not in CONFIGS:
@@ -43,7 +49,7 @@ V6_FIT = json.loads(Path("benchmarks/protocol/v6.json").read_text())["families"]
 FIT = ["--seed_everything=0", "--trainer.max_epochs=-1", "--trainer.val_check_interval=80",
        "--trainer.check_val_every_n_epoch=null", "--trainer.enable_progress_bar=false", *V6_FIT,
        "--optimizer.init_args.lr=0.001",
-       *([f"--trainer.callbacks.ema.init_args.decay={AVERAGE_DECAY}"] if AVERAGE_DECAY else [])]
+       *([f"--trainer.callbacks.ema.init_args.decay={AVERAGE_DECAY}"] if AVERAGE_DECAY else []), *OPTIONS]
 
 
 def children_cpu_s() -> float:
@@ -60,11 +66,14 @@ def run(command: list[str]) -> float:
 
 
 OUT.mkdir(parents=True, exist_ok=True)
-runs, name = OUT / "runs", f"ncsn_{ARM}"
+runs, name = RUNS, f"ncsn_{ARM}"
 record_path = OUT / f"digits_{ARM}.json"
 record = json.loads(record_path.read_text()) if record_path.exists() else {
     "arm": ARM, "config": CONFIG, "fit": FIT, "average_decay": AVERAGE_DECAY, "samples": 200, "reference": 5000,
-    "seed": 0, "stages": []}
+    "seed": 0, "step_size": STEP_SIZE, "stages": []}
+# a record continues only under the options it was written with
+if (record["fit"], record.get("step_size")) != (FIT, STEP_SIZE):
+    sys.exit(f"digits.py: {record_path} was written with other options or another STEP_SIZE; give another OUT")
 done = {stage["steps"] for stage in record["stages"]}
 for steps in STAGES:
     if steps in done:
@@ -76,7 +85,8 @@ for steps in STAGES:
     for weights in SCORED:
         samples = OUT / f"samples_{ARM}_{weights}"
         score_s = run(["sample.py", "--checkpoint", str(last), "--num-samples", "200", "--out", str(samples), "--seed",
-                       "0", "--batch-size", "250", *(["--raw-weights"] if weights == "trained" else []), "--fid",
+                       "0", "--batch-size", "250", *(["--raw-weights"] if weights == "trained" else []),
+                       *(["--step-size", STEP_SIZE] if STEP_SIZE else []), "--fid",
                        "--reference-images", "5000", "--stats-root", STATS_ROOT])
         report = json.loads((samples / "fid.json").read_text())
         suffix = "" if weights == "trained" else "_average"
