@@ -57,8 +57,8 @@ def dkef_explicit_s0(root: Path, *fit_options: str) -> dict:
 
 # NCSN's and EDM's runs (a minute each: sampling and Inception features) add nothing the fast suite lacks: the study
 # machinery is covered by the other families, their sampling and FID by tests/test_sampling.py, their evaluations'
-# options below
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("ncsn", "edm") else n
+# options below; DKEF's (45 s) runs in the fast suite through the parallel-processes test
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("ncsn", "edm", "dkef") else n
                                   for n in FAMILIES])
 def test_a_family_study_records_what_its_runs_logged_skips_recorded_units_and_writes_the_page(
         tmp_path, monkeypatch, name):

@@ -54,6 +54,9 @@ def test_cli_ddp_run_writes_checkpoint_and_every_rank_leaves_its_process_group(t
     assert state["global_step"] == 2
 
 
+# the features' all-reduce across two processes is tests/metrics/test_fid.py's; this runs it through a whole DDP
+# fit (50 s)
+@pytest.mark.slow
 def test_fid_under_ddp_is_that_of_the_samples_of_both_processes(tmp_path):
     """Each process draws its share of the FID samples from its own seed; the logged FID must be the distance of
     their union (features summed across processes), recomputed here in one process."""
@@ -151,6 +154,8 @@ def _two_nodes(args, tmp_path):
             proc.kill()
 
 
+# a node rank beside the process rank; the one-node DDP fit, checkpoint and resume are the fast suite's (35 s)
+@pytest.mark.slow
 def test_two_nodes_train_checkpoint_and_resume_as_two_processes_on_one(tmp_path):
     """Two nodes stop at step 2, in the middle of an epoch (4 batches a rank), and resume to step 4: as one node
     of two processes trained straight to it (the resumed epoch skips its first batches in each rank's shard)."""

@@ -135,6 +135,9 @@ def test_ais_is_refused_for_the_gaussian_decoder():
         VAEModule(ImplicitVAE(dim=3 * 32 * 32, channels=3, arch="conv", nef=4), ais_batches=1)
 
 
+# the FID callback and sample.py's FID are tests/lightning/test_fid_callback.py's (an NCSN), and every family's
+# sample_images tests/lightning/test_families.py's; this joins them through the VAE's decoder (35 s)
+@pytest.mark.slow
 def test_fid_of_decoder_samples_during_training_and_from_sample_script(tmp_path):
     n, reference = 6, 10
     key = {"dataset": "mnist", "split": "train", "resolution": "28x28", "count": reference}

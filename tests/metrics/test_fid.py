@@ -180,6 +180,9 @@ def test_frechet_distance_matches_the_closed_form():
     assert frechet_distance(GaussianStats(m1, s1), GaussianStats(m1, s1)) == pytest.approx(0, abs=1e-8)
 
 
+# a minute of Inception features; the extractor's features are checked against the TorchScript network above and the
+# distance against its closed form, so the fast suite keeps both halves
+@pytest.mark.slow
 def test_fid_on_real_digits_orders_real_disjoint_real_and_noise(extractor):
     images, _ = load_mnist("datasets", train=False, sources=("torchvision", "pureml"))
     # two disjoint sets of 50 test digits (FID 71) and 50 noise images (446): one Inception batch each
