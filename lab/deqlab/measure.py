@@ -61,6 +61,9 @@ def environment(device: torch.device) -> dict:
         "load average at start": load_average(),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "python": platform.python_version(),
+        # the CPU's vector instructions choose torch's kernels, so the order of their sums: one CPU model name
+        # (an "AMD EPYC") covers machines whose same-seed runs differ
+        "cpu instructions": torch.backends.cpu.get_cpu_capability(),
         "code": code_text(code_version()),
     }
 

@@ -71,15 +71,16 @@ def test_a_family_study_records_what_its_runs_logged_skips_recorded_units_and_wr
     for unit in units:
         variant = family.variants[unit["variant"]]
         path = core.unit_path(tmp_path / "out", name, group, unit["variant"], unit["seed"])
-        assert set(json.loads(path.read_text())) == {"family", "group", "variant", "seed", "device", "code",
-                                                     "threads", "torch", "started", "ended", "fit", "settings",
-                                                     "value"}
+        assert set(json.loads(path.read_text())) == {"family", "group", "variant", "seed", "device", "cpu_instructions",
+                                                     "code", "threads", "torch", "started", "ended", "fit",
+                                                     "settings", "value"}
         assert unit["code"] == code_version() and len(unit["code"]["commit"]) == 40  # the checkout's commit
         assert unit["threads"] == PROTOCOL.text["threads"] and unit["torch"] == torch.__version__
         assert unit["started"] <= unit["ended"] and unit["started"].endswith("+00:00")  # UTC, ISO 8601
         assert unit["fit"]["arguments"] == [a.replace(str(core.ROOT), "<repo>") for a in unit["value"]["arguments"]]
         assert len(unit["fit"]["config_sha256"]) == 64
         assert unit["family"] == name and unit["device"].startswith("cpu") and unit["settings"]["iterations"] == 2
+        assert unit["cpu_instructions"] == torch.backends.cpu.get_cpu_capability()
         assert unit["settings"]["budget"] == 2 / family.iterations
         assert unit["settings"]["protocol"] == PROTOCOL.stamp and unit["settings"]["fit"] == \
             PROTOCOL.family(name)["fit"]  # the protocol's shared options reach every fit

@@ -96,8 +96,8 @@ def run_plan(plan: Plan, runs_root: Path, out: Path, kind: str, tune_rate: float
     (:func:`.tuning.chosen_rate`); ``kind``: ``unit``, or ``rerun`` to record them again under ``reruns/``. With
     ``tune_rate``, only the tuned arms' tuning runs at that rate (a job of :mod:`.parallel`)."""
     device = environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    facts = {"device": device["device"], "code": code_version(), "threads": torch.get_num_threads(),
-             "torch": torch.__version__}
+    facts = {"device": device["device"], "cpu_instructions": device["cpu instructions"], "code": code_version(),
+             "threads": torch.get_num_threads(), "torch": torch.__version__}
     results: dict[str, list[dict]] = {}
     for family, groups, seeds, settings in plan:
         results[family.name] = []
