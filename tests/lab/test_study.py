@@ -621,7 +621,7 @@ def test_ncsn_samples_from_the_weights_its_evaluation_names(tmp_path, monkeypatc
     evaluation = PROTOCOL.family("ncsn")["evaluation"] | {"weights": weights, "held_out": False}
     ncsn_bench.evaluate(run, run / "last.ckpt", FAMILIES["ncsn"].variants["deq"], 0, evaluation)
     assert ("--raw-weights" in passed) == raw
-    assert PROTOCOL.family("ncsn")["evaluation"]["weights"] == "trained"  # v6: the EMA lags a short training
+    assert PROTOCOL.family("ncsn")["evaluation"]["weights"] == "average"  # v7: a short average (decay 0.99)
 
 
 def test_ncsn_held_out_loss_is_every_test_image_at_every_level_and_the_same_twice(tmp_path):
