@@ -66,7 +66,7 @@ def run(command: list[str]) -> float:
 
 
 OUT.mkdir(parents=True, exist_ok=True)
-runs, name = RUNS, f"ncsn_{ARM}"
+name = f"ncsn_{ARM}"
 record_path = OUT / f"digits_{ARM}.json"
 record = json.loads(record_path.read_text()) if record_path.exists() else {
     "arm": ARM, "config": CONFIG, "fit": FIT, "average_decay": AVERAGE_DECAY, "samples": 200, "reference": 5000,
@@ -78,8 +78,8 @@ done = {stage["steps"] for stage in record["stages"]}
 for steps in STAGES:
     if steps in done:
         continue
-    last = runs / name / "checkpoints" / "last.ckpt"
-    train_s = run(["train.py", "fit", f"--config={CONFIG}", f"--run_name={name}", f"--runs_root={runs}", *FIT,
+    last = RUNS / name / "checkpoints" / "last.ckpt"
+    train_s = run(["train.py", "fit", f"--config={CONFIG}", f"--run_name={name}", f"--runs_root={RUNS}", *FIT,
                    f"--trainer.max_steps={steps}", *([f"--ckpt_path={last}"] if last.exists() else [])])
     stage = {"steps": steps, "train_cpu_s": train_s}
     for weights in SCORED:
