@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -186,3 +189,13 @@ def test_sync_keeps_the_sections_it_does_not_measure_from_its_previous_result(tm
         main(["sync", "--sections", "bf16_gradient", "--out", str(tmp_path / "none")])
     assert exc.value.code == 2 and "nice_run, syncs" in capsys.readouterr().err
     assert not (tmp_path / "none").exists()
+
+
+@pytest.mark.parametrize("environment, named", [({"ARM": "ncsnv3"}, "ARM="), ({"SCORE": "average"}, "SCORE=")])
+def test_the_digits_pilot_refuses_a_wrong_setting_in_one_line_with_the_usage_status(tmp_path, environment, named):
+    script = RESULTS / PILOT / "digits.py"
+    done = subprocess.run([sys.executable, str(script)], cwd=RESULTS.parents[1], capture_output=True, text=True,
+                          env={**os.environ, "OUT": str(tmp_path), **environment}, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith(f"digits.py: {named}"), done.stderr
+    assert not list(tmp_path.iterdir())  # refused before writing anything

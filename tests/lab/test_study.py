@@ -599,6 +599,7 @@ def test_the_samplers_cost_cold_and_warm_reaches_the_page(tmp_path):
     assert "| mnist | explicit | 1 | 201 |" not in text
     # a run's own standard errors in the per-run table (KID's over sample blocks, not its subsets' spread)
     assert "| mnist | explicit | 0 | 200.000 ± 0.500 | 0.400 ± 0.020 |" in text
+    assert "± beside a run's metric: that run's own standard error" in text
 
 
 @pytest.mark.parametrize("weights, raw", [("trained", True), ("averaged", False)])
@@ -809,6 +810,7 @@ def test_jobs_tune_each_arm_first_then_run_its_units_seed_by_seed():
     assert jobs[-1].arguments[-2:] == ["--seeds", "1"]
 
 
+@pytest.mark.slow  # ~50 s: two studies; the fast suite keeps the job runner's own test, the failed job's below
 @pytest.mark.xdist_group("processes")
 def test_units_run_in_parallel_processes_record_what_one_process_records(tmp_path):
     """--jobs 2: each rate's tuning runs in a process of their own, then each unit in one; every unit and tuning

@@ -37,11 +37,19 @@ STEP_SIZE = os.environ.get("STEP_SIZE")
 RUNS = Path(os.environ.get("RUNS", OUT / "runs"))
 CONFIGS = {"explicit": "configs/ncsn/explicit_mnist.yaml", "deq": "configs/ncsn/deq_mnist.yaml",
            "ncsnv2": "configs/ncsn/ncsnv2_mnist.yaml"}
+
+
+def refuse(message: str) -> None:
+    """A usage error: one line, and the exit status of the project's commands for one (2)."""
+    print(f"digits.py: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 if ARM not in CONFIGS:
-    sys.exit(f"digits.py: ARM={ARM!r}; one of {', '.join(CONFIGS)}")
+    refuse(f"ARM={ARM!r}; one of {', '.join(CONFIGS)}")
 # any other name would be scored as the average and recorded under its name
 if not set(SCORED) <= {"trained", "average"} or ("average" in SCORED and not AVERAGE_DECAY):
-    sys.exit(f"digits.py: SCORE={','.join(SCORED)!r}; trained and/or average (average needs AVERAGE_DECAY)")
+    refuse(f"SCORE={','.join(SCORED)!r}; trained and/or average (average needs AVERAGE_DECAY)")
 CONFIG = CONFIGS[ARM]
 # the study unit's run options (seed 0, validation every tenth of v6's 800 iterations), v6's NCSN fit options, as
 # the protocol states them, and the tuned rate
@@ -73,7 +81,7 @@ record = json.loads(record_path.read_text()) if record_path.exists() else {
     "seed": 0, "step_size": STEP_SIZE, "stages": []}
 # a record continues only under the options it was written with
 if (record["fit"], record.get("step_size")) != (FIT, STEP_SIZE):
-    sys.exit(f"digits.py: {record_path} was written with other options or another STEP_SIZE; give another OUT")
+    refuse(f"{record_path} was written with other options or another STEP_SIZE; give another OUT")
 done = {stage["steps"] for stage in record["stages"]}
 for steps in STAGES:
     if steps in done:

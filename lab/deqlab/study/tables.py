@@ -130,15 +130,16 @@ def per_run_table(family: Family, units: list[dict], rules: Protocol) -> list[st
     header = ["data", "variant", "seed", *keys, "solver iterations", "gradient error", "counted", "protocol",
               "commit (+: uncommitted changes; =: the commit that holds them)", "threads", "torch", "device",
               "started (UTC)", "hours"]
-    rows = []
+    rows, errors = [], False
     for u in units:
-        cells = [fmt(value_of(u, k)) + spread(u, k) for k in keys]
+        spreads = [spread(u, k) for k in keys]
+        errors = errors or any(spreads)
+        cells = [fmt(value_of(u, k)) + se for k, se in zip(keys, spreads, strict=True)]
         why = exclusion(rules, family.name, u)
         error = (u["value"].get("trust") or {}).get("gradient_rel_error")
         rows.append([u["group"], u["variant"], str(u["seed"]), *cells, fmt(value_of(u, "solver_iterations"), 1),
                      "–" if error is None else percent_text(error), "**excluded**: " + why if why else "yes",
                      *provenance(u)])
-    errors = any(spread(u, k) for u in units for k in keys)
     return ["<details><summary>Every run, with its provenance</summary>", "", *pipe_table(header, rows), "",
             *(["± beside a run's metric: that run's own standard error, where it records one.", ""] if errors else []),
             "</details>", ""]
