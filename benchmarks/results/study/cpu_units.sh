@@ -1,14 +1,18 @@
 #!/bin/bash
 # The CPU families' study units in the background, on the study's 2-core machine: one process with one torch
-# thread per family (niced), each at the commit its recorded units ran at, in a git worktree beside this checkout,
-# so that a comparison's arms share their code. A recorded unit is read back, not run again, so starting again
-# after a stop goes on where it stopped.
+# thread per family (niced; JOBS of them for one family), each at the commit its recorded units ran at, in a git
+# worktree beside this checkout, so that a comparison's arms share their code. A recorded unit is read back, not
+# run again, so starting again after a stop goes on where it stopped.
 #   bash benchmarks/results/study/cpu_units.sh start dkef nice   # worktrees (made once), then one chain a family
 #   bash benchmarks/results/study/cpu_units.sh collect dkef nice # the worktrees' unit files here, then the page
+#   JOBS=2 bash benchmarks/results/study/cpu_units.sh start edm  # one family on both cores: its units two at a time
 # Logs: ../units_<family>.log. A chain's progress: ls ../units_<family>/benchmarks/results/study/<family>/*/
 set -euo pipefail
 ROOT=$(git rev-parse --show-toplevel)
 PY=${PY:-$ROOT/.venv/bin/python}
+JOBS=${JOBS:-1}  # a family's units at once, each on one thread (deqlab study --jobs, from protocol v6's commits on)
+[[ $JOBS =~ ^[1-9][0-9]*$ ]] || { echo "cpu_units.sh: JOBS=$JOBS; a number of processes, at least 1" >&2; exit 2; }
+PARALLEL=(); [ "$JOBS" -gt 1 ] && PARALLEL=(--jobs "$JOBS")
 RESULTS=benchmarks/results/study
 
 # the commit of a family's recorded units, and the arms its chain runs under protocol v6, the last it ran for DKEF,
@@ -46,8 +50,8 @@ for unit in sorted(Path(sys.argv[1]).glob("*/*_s*.json")):
         "$tree/$RESULTS/$family" "${ARMS[$family]}"
       (cd "$tree" && OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONPATH="$tree:$tree/lab" \
         nohup nice -n 19 "$PY" -m deqlab study --family "$family" --variants "${ARMS[$family]}" \
-        >> "$tree.log" 2>&1 &)
-      echo "$family: started at ${COMMIT[$family]} in $tree (log $tree.log)" ;;
+        "${PARALLEL[@]}" >> "$tree.log" 2>&1 &)
+      echo "$family: started at ${COMMIT[$family]} in $tree, $JOBS unit(s) at once (log $tree.log)" ;;
     collect)  # the worktree's copy, made from this one at the start, is the family's record: mirror it
       [ -d "$tree/$RESULTS/$family" ] || { echo "cpu_units.sh: no worktree $tree to collect from (start it first)" >&2
                                            exit 2; }
