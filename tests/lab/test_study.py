@@ -869,3 +869,9 @@ def test_jobs_wait_for_what_they_need_and_share_the_gpus(tmp_path, monkeypatch):
     assert logs == {"a": "0 ['x', '--shared']", "b": "1 ['bad', '--shared']", "c": "0 ['z', '--shared']"}
     ended = run_jobs(jobs[:1], [], 2, tmp_path / "one", program=program)  # one GPU or none: left as it is
     assert ended == {"a": 0} and (tmp_path / "one" / "a.log").read_text().strip() == "None ['x']"
+
+
+def test_the_readme_names_the_newest_protocol_where_it_says_so():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    named = re.findall(r"the newest protocol, (benchmarks/protocol/v\d+\.json)", readme)
+    assert named == [f"benchmarks/protocol/{protocol.newest().name}"]
