@@ -143,7 +143,8 @@ BEFORE_TRAINED_WEIGHTS_FIX = (
     "average where the protocol names the trained weights: the checkpoint a unit scores is saved after fit, and "
     "Lightning's averaging had put the average in the trained weights' place by then (an untrained control's "
     "average is its initialisation: its reruns at that commit give it bit for bit). Each is replaced as the CPU "
-    "chain reaches it (`benchmarks/results/study/cpu_units.sh start ncsn edm`).")
+    "chain reaches it (`JOBS=2 benchmarks/results/study/cpu_units.sh start edm`, then `ncsn`: one family at a "
+    "time on both cores).")
 
 
 #: family -> its study entry

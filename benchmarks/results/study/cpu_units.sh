@@ -52,10 +52,13 @@ for unit in sorted(Path(sys.argv[1]).glob("*/*_s*.json")):
         nohup nice -n 19 "$PY" -m deqlab study --family "$family" --variants "${ARMS[$family]}" \
         "${PARALLEL[@]}" >> "$tree.log" 2>&1 &)
       echo "$family: started at ${COMMIT[$family]} in $tree, $JOBS unit(s) at once (log $tree.log)" ;;
-    collect)  # the worktree's copy, made from this one at the start, is the family's record: mirror it
+    collect)  # the worktree's unit folders, copied from this one at the start, are the family's record: mirror
+      # them; the figures beside them are the page's, which this checkout's report draws (the worktree's commit may
+      # draw them under another protocol's name)
       [ -d "$tree/$RESULTS/$family" ] || { echo "cpu_units.sh: no worktree $tree to collect from (start it first)" >&2
                                            exit 2; }
-      rm -rf "${ROOT:?}/$RESULTS/$family" && cp -a "$tree/$RESULTS/$family" "$ROOT/$RESULTS/" ;;
+      find "${ROOT:?}/$RESULTS/$family" -mindepth 1 -maxdepth 1 -type d -exec rm -rf {} +
+      cp -a "$tree/$RESULTS/$family"/*/ "$ROOT/$RESULTS/$family/" ;;
     *) echo "cpu_units.sh: unknown action '$action' (start or collect)" >&2; exit 2 ;;
   esac
 done
