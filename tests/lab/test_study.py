@@ -602,6 +602,32 @@ def test_the_samplers_cost_cold_and_warm_reaches_the_page(tmp_path):
     assert "± beside a run's metric: that run's own standard error" in text
 
 
+def test_the_deq_arms_solves_at_each_tuned_rate_reach_the_page(tmp_path):
+    """Per DEQ arm, its tuning runs' forward solves converged at the last validation and IFT backward misses at
+    every rate of the grid, the rate its validation figure chose in bold (the lowest last loss here, a rate whose
+    solves stopped converging), – for a backward that is no IFT; an explicit arm's tuning (no solver) has no row."""
+    rule = PROTOCOL.family("edm")["learning_rate"]
+    write_unit(tmp_path, "edm", "mnist", "deq", 0, {"loss": 0.2, "kid": 0.05})
+    low, middle, high = sorted(rule["grid"])
+    solves = {low: (0.30, 1.0, 0.11), middle: (0.25, 0.0, 0.55), high: (0.20, 0.0, None)}  # loss, converged, misses
+    tuning = tmp_path / "edm" / "mnist" / "tuning"
+    tuning.mkdir()
+    for variant in ("deq", "explicit"):
+        for rate, (loss, converged, misses) in solves.items():
+            validation = {"val/loss": [[9, 1.0], [19, loss]]}
+            if variant == "deq":
+                validation["val/deq/converged"] = [[9, 1.0], [19, converged]]
+            run = {"family": "edm", "group": "mnist", "variant": variant, "seed": 1000,
+                   "settings": {"protocol": PROTOCOL.stamp},
+                   "value": {"arguments": [f"{rule['option']}={rate!r}"], "validation": validation,
+                             "ift_backward_failures": misses if variant == "deq" else None}}
+            (tuning / f"{variant}_lr{rate!r}_s1000.json").write_text(json.dumps(run))
+    text = report(tmp_path)
+    assert (f"| mnist | deq | {high:g} | {low:g}: 1.00, {middle:g}: 0.00, **{high:g}: 0.00** | "
+            f"{low:g}: 0.11, {middle:g}: 0.55, **{high:g}: –** |") in text
+    assert "| mnist | explicit | " not in text.split("**The DEQ arms' solves")[1].split("\n\n")[1]
+
+
 @pytest.mark.parametrize("weights, raw", [("trained", True), ("averaged", False)])
 def test_ncsn_samples_from_the_weights_its_evaluation_names(tmp_path, monkeypatch, weights, raw):
     """``weights=trained`` must reach ``sample.py`` as ``--raw-weights``; the protocol scores the trained weights."""

@@ -30,7 +30,16 @@ from .judging import (
     variant_of_role,
 )
 from .protocol import Protocol, ProtocolError
-from .tables import code_label, fmt, per_run_table, reruns_table, sample_grids, sampler_cost_table, trust_table
+from .tables import (
+    code_label,
+    fmt,
+    per_run_table,
+    reruns_table,
+    sample_grids,
+    sampler_cost_table,
+    trust_table,
+    tuning_solves_table,
+)
 
 __all__ = ["fmt", "load_units", "write_page"]
 
@@ -255,6 +264,7 @@ def design_section(family: Family, design: Protocol, rules: Protocol, units: lis
     for group_summaries in by_group.values():
         lines += control_sentence(family, design, group_summaries)
     lines += ["", *reruns_table(family, family.judged(design), units), *trust_table(units, rules),
+              *tuning_solves_table(family, design, rules, out / family.name),
               *sampler_cost_table(units), *per_run_table(family, units, rules)]
     figures = out / family.name
     for group in family.groups:

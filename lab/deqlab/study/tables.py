@@ -13,6 +13,7 @@ from ..report import pipe_table
 from .core import Family, Metric, holding_commit, rerun_path, value_of, without_protocol
 from .judging import exclusion
 from .protocol import Protocol
+from .tuning import best_rate, validation_figure
 
 
 def fmt(value: float | None, digits: int = 3) -> str:
@@ -205,6 +206,49 @@ def sampler_cost_table(units: list[dict]) -> list[str]:
             "tighter than sampling needs: `sample.py --solver-tol 1e-2` took 2.6x fewer iterations on the NCSN "
             "pilot's DEQ at an unchanged KID (benchmarks/results/ncsn_cpu_pilot/tolerance/).", "",
             *pipe_table(header, rows), ""]
+
+
+def tuning_solves_table(family: Family, design: Protocol, rules: Protocol, folder: Path) -> list[str]:
+    """Per DEQ arm of ``design``, its tuning runs' solves at each rate of the grid: the share of the last
+    validation's forward solves that converged and the share of training steps whose IFT backward missed its
+    tolerance, beside the rate the validation figure chose. A rate chosen by its validation figure alone can be one
+    at which the DEQ no longer reaches its fixed point (then it trains as an unrolled network of max_iter steps on
+    an inexact gradient)."""
+    rule = design.family(family.name).get("learning_rate")
+    if rule is None:
+        return []
+    runs: dict[tuple[str, str], dict[float, list[dict]]] = {}
+    for path in sorted(folder.glob("*/tuning/*.json")):
+        run = json.loads(path.read_text())
+        found = rules.design_of(run)
+        if found is None or found.version != design.version or "val/deq/converged" not in run["value"]["validation"]:
+            continue
+        rate = float(next(a for a in run["value"]["arguments"] if a.startswith(f"{rule['option']}=")).split("=")[1])
+        runs.setdefault((run["group"], run["variant"]), {}).setdefault(rate, []).append(run)
+    rows = []
+    for (group, name), by_rate in runs.items():
+        chosen = best_rate({rate: [validation_figure(r, rule) for r in rs] for rate, rs in by_rate.items()},
+                           rule["better"]) if set(by_rate) == set(rule["grid"]) else None
+        rows.append([group, name, "–" if chosen is None else f"{chosen:g}",
+                     by_rate_cell(by_rate, chosen, lambda r: r["value"]["validation"]["val/deq/converged"][-1][1]),
+                     by_rate_cell(by_rate, chosen, lambda r: r["value"].get("ift_backward_failures"))])
+    if not rows:
+        return []
+    return ["**The DEQ arms' solves at each tuned rate** (the tuning runs, the chosen rate in bold; no chosen rate "
+            "where the grid's runs are not all recorded; no misses where the backward is no IFT). A rate chosen by "
+            "validation alone can be one at which the DEQ no longer reaches its fixed point: its forward solves "
+            "stop at max_iter and it trains as an unrolled network on an inexact gradient.", "",
+            *pipe_table(["data", "variant", "chosen rate", "forward solves converged at the last validation",
+                         "IFT backward misses over training"], rows), ""]
+
+
+def by_rate_cell(by_rate: dict[float, list[dict]], chosen: float | None, figure) -> str:
+    """``rate: mean figure`` of each rate's runs (– where a run has none), the chosen rate in bold."""
+    def cell(rate: float, runs: list[dict]) -> str:
+        values = [figure(run) for run in runs]
+        text = f"{rate:g}: " + ("–" if None in values else fmt(sum(values) / len(values), 2))
+        return f"**{text}**" if rate == chosen else text
+    return ", ".join(cell(rate, runs) for rate, runs in sorted(by_rate.items()))
 
 
 def sample_grids(family: Family, units: list[dict], rel) -> list[str]:
