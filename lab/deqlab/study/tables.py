@@ -13,7 +13,7 @@ from ..report import pipe_table
 from .core import Family, Metric, holding_commit, rerun_path, value_of, without_protocol
 from .judging import exclusion
 from .protocol import Protocol
-from .tuning import best_rate, validation_figure
+from .tuning import rate_of_best_runs
 
 
 def fmt(value: float | None, digits: int = 3) -> str:
@@ -227,8 +227,7 @@ def tuning_solves_table(family: Family, design: Protocol, rules: Protocol, folde
         runs.setdefault((run["group"], run["variant"]), {}).setdefault(rate, []).append(run)
     rows = []
     for (group, name), by_rate in runs.items():
-        chosen = best_rate({rate: [validation_figure(r, rule) for r in rs] for rate, rs in by_rate.items()},
-                           rule["better"]) if set(by_rate) == set(rule["grid"]) else None
+        chosen = rate_of_best_runs(by_rate, rule) if set(by_rate) == set(rule["grid"]) else None
         rows.append([group, name, "–" if chosen is None else f"{chosen:g}",
                      by_rate_cell(by_rate, chosen, lambda r: r["value"]["validation"]["val/deq/converged"][-1][1]),
                      by_rate_cell(by_rate, chosen, lambda r: r["value"].get("ift_backward_failures"))])

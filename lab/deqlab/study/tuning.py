@@ -31,6 +31,12 @@ def best_rate(figures: dict[float, list[float]], better: str) -> float:
     return min(figures, key=lambda rate: (sign * sum(figures[rate]) / len(figures[rate]), rate))
 
 
+def rate_of_best_runs(runs_by_rate: dict[float, list[dict]], rule: dict[str, Any]) -> float:
+    """The rate whose tuning runs have the best mean validation figure by ``rule`` (:func:`best_rate`)."""
+    return best_rate({rate: [validation_figure(run, rule) for run in runs] for rate, runs in runs_by_rate.items()},
+                     rule["better"])
+
+
 def tuned(family: Family, name: str) -> bool:
     """Whether an arm's rate is tuned: every trained variant but another model class (no score network)."""
     variant = family.variants[name]
@@ -61,7 +67,5 @@ def chosen_rate(family: Family, group: str, name: str, settings: UnitSettings, r
     rule = tuning_rule(family, name, settings)
     if rule is None:
         return None
-    figures = {rate: [validation_figure(unit, rule) for unit in
-                      tuning_runs(family, group, name, rate, settings, runs_root, out, facts)]
-               for rate in rule["grid"]}
-    return rule["option"], best_rate(figures, rule["better"])
+    runs = {rate: tuning_runs(family, group, name, rate, settings, runs_root, out, facts) for rate in rule["grid"]}
+    return rule["option"], rate_of_best_runs(runs, rule)
