@@ -603,20 +603,23 @@ def test_the_samplers_cost_cold_and_warm_reaches_the_page(tmp_path):
 
 
 def test_the_deq_arms_solves_at_each_tuned_rate_reach_the_page(tmp_path):
-    """Per DEQ arm, its tuning runs' forward solves converged at the last validation and IFT backward misses at
-    every rate of the grid, the rate its validation figure chose in bold (the lowest last loss here, a rate whose
-    solves stopped converging), – for a backward that is no IFT; an explicit arm's tuning (no solver) has no row."""
+    """Per DEQ arm, its tuning runs' forward solves converged at the last validation, their relative residual (the
+    last validation's, not the first) and IFT backward misses at every rate of the grid, the rate its validation
+    figure chose in bold (the lowest last loss here, a rate whose solves stopped converging), – for a backward that
+    is no IFT; an explicit arm's tuning (no solver) has no row."""
     rule = PROTOCOL.family("edm")["learning_rate"]
     write_unit(tmp_path, "edm", "mnist", "deq", 0, {"loss": 0.2, "kid": 0.05})
     low, middle, high = sorted(rule["grid"])
-    solves = {low: (0.30, 1.0, 0.11), middle: (0.25, 0.0, 0.55), high: (0.20, 0.0, None)}  # loss, converged, misses
+    # loss, converged, their relative residual, misses
+    solves = {low: (0.30, 1.0, 4.1e-4, 0.11), middle: (0.25, 0.0, 0.0052, 0.55), high: (0.20, 0.0, 0.0092, None)}
     tuning = tmp_path / "edm" / "mnist" / "tuning"
     tuning.mkdir()
     for variant in ("deq", "explicit"):
-        for rate, (loss, converged, misses) in solves.items():
+        for rate, (loss, converged, residual, misses) in solves.items():
             validation = {"val/loss": [[9, 1.0], [19, loss]]}
             if variant == "deq":
                 validation["val/deq/converged"] = [[9, 1.0], [19, converged]]
+                validation["val/deq/rel_residual"] = [[9, 1e-4], [19, residual]]
             run = {"family": "edm", "group": "mnist", "variant": variant, "seed": 1000,
                    "settings": {"protocol": PROTOCOL.stamp},
                    "value": {"arguments": [f"{rule['option']}={rate!r}"], "validation": validation,
@@ -624,6 +627,7 @@ def test_the_deq_arms_solves_at_each_tuned_rate_reach_the_page(tmp_path):
             (tuning / f"{variant}_lr{rate!r}_s1000.json").write_text(json.dumps(run))
     text = report(tmp_path)
     assert (f"| mnist | deq | {high:g} | {low:g}: 1.00, {middle:g}: 0.00, **{high:g}: 0.00** | "
+            f"{low:g}: 0.00041, {middle:g}: 0.0052, **{high:g}: 0.0092** | "
             f"{low:g}: 0.11, {middle:g}: 0.55, **{high:g}: –** |") in text
     assert "| mnist | explicit | " not in text.split("**The DEQ arms' solves")[1].split("\n\n")[1]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -210,10 +211,11 @@ def sampler_cost_table(units: list[dict]) -> list[str]:
 
 def tuning_solves_table(family: Family, design: Protocol, rules: Protocol, folder: Path) -> list[str]:
     """Per DEQ arm of ``design``, its tuning runs' solves at each rate of the grid: the share of the last
-    validation's forward solves that converged and the share of training steps whose IFT backward missed its
-    tolerance, beside the rate the validation figure chose. A rate chosen by its validation figure alone can be one
-    at which the DEQ no longer reaches its fixed point (then it trains as an unrolled network of max_iter steps on
-    an inexact gradient)."""
+    validation's forward solves that converged, their relative residual (how far from its fixed point a solve
+    stopped at max_iter is left) and the share of training steps whose IFT backward missed its tolerance, beside
+    the rate the validation figure chose. A rate chosen by its validation figure alone can be one at which the DEQ
+    no longer reaches its fixed point (then it trains as an unrolled network of max_iter steps on an inexact
+    gradient)."""
     rule = design.family(family.name).get("learning_rate")
     if rule is None:
         return []
@@ -229,23 +231,33 @@ def tuning_solves_table(family: Family, design: Protocol, rules: Protocol, folde
     for (group, name), by_rate in runs.items():
         chosen = rate_of_best_runs(by_rate, rule) if set(by_rate) == set(rule["grid"]) else None
         rows.append([group, name, "–" if chosen is None else f"{chosen:g}",
-                     by_rate_cell(by_rate, chosen, lambda r: r["value"]["validation"]["val/deq/converged"][-1][1]),
+                     by_rate_cell(by_rate, chosen, lambda r: last_validation(r, "val/deq/converged")),
+                     by_rate_cell(by_rate, chosen, lambda r: last_validation(r, "val/deq/rel_residual"),
+                                  show=lambda value: f"{value:.2g}"),
                      by_rate_cell(by_rate, chosen, lambda r: r["value"].get("ift_backward_failures"))])
     if not rows:
         return []
     return ["**The DEQ arms' solves at each tuned rate** (the tuning runs, the chosen rate in bold; no chosen rate "
             "where the grid's runs are not all recorded; no misses where the backward is no IFT). A rate chosen by "
             "validation alone can be one at which the DEQ no longer reaches its fixed point: its forward solves "
-            "stop at max_iter and it trains as an unrolled network on an inexact gradient.", "",
+            "stop at max_iter and it trains as an unrolled network on an inexact gradient; the residual says how far "
+            "from its fixed point such a solve is left (against the solver's tolerance).", "",
             *pipe_table(["data", "variant", "chosen rate", "forward solves converged at the last validation",
-                         "IFT backward misses over training"], rows), ""]
+                         "their relative residual", "IFT backward misses over training"], rows), ""]
 
 
-def by_rate_cell(by_rate: dict[float, list[dict]], chosen: float | None, figure) -> str:
+def last_validation(run: dict, series: str) -> float | None:
+    """A run's figure ``series`` at its last validation; None where it logged none."""
+    values = run["value"]["validation"].get(series)
+    return values[-1][1] if values else None
+
+
+def by_rate_cell(by_rate: dict[float, list[dict]], chosen: float | None, figure,
+                 show: Callable[[float], str] = lambda value: fmt(value, 2)) -> str:
     """``rate: mean figure`` of each rate's runs (– where a run has none), the chosen rate in bold."""
     def cell(rate: float, runs: list[dict]) -> str:
         values = [figure(run) for run in runs]
-        text = f"{rate:g}: " + ("–" if None in values else fmt(sum(values) / len(values), 2))
+        text = f"{rate:g}: " + ("–" if None in values else show(sum(values) / len(values)))
         return f"**{text}**" if rate == chosen else text
     return ", ".join(cell(rate, runs) for rate, runs in sorted(by_rate.items()))
 
