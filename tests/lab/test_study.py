@@ -377,6 +377,27 @@ def test_an_implicit_deqs_trust_row_names_its_backward_and_shows_its_millionths(
                           "1e-05% (1e-05%) | 0.0004% (0.0004%) |"), row
 
 
+def test_a_deq_whose_reference_solve_did_not_converge_is_unverified_not_faithful(tmp_path):
+    """A gradient error under the threshold says nothing where the reference it is measured against did not
+    converge (a map that no longer contracts at its fixed point): such an arm is unverified; a reference stalled at
+    float32's floor counts as converged, and an error over the threshold stays a no."""
+    base = {"contraction": 1.85, "phantom_steps": 2, "neumann_remainder": 3.4, "derivative_rel_error": 0.01,
+            "objective_error_scaled": 0.003, "gradient_rel_error": 0.043, "gradient_cosine": 0.999,
+            "gradient_norm_ratio": 0.996, "exact_converged": False, "exact_at_floor": False, "capped_solves": 1.0,
+            "capped_solves_training": 0.5, "max_iter": 30, "backward": "ift", "exact_reference": "implicit"}
+    arms = {"deq": base, "deq_implicit": base | {"exact_at_floor": True},
+            "deq_reference": base | {"gradient_rel_error": 0.3}}
+    for variant, trust in arms.items():
+        write_unit(tmp_path, "nice", "mnist", variant, 0, {"bits_per_dim": 5.0}, trust=trust)
+    rows = {line.split(" | ")[1]: line for line in report(tmp_path).splitlines()
+            if line.startswith("| mnist | deq") and "converged" in line}
+    assert rows["deq"].endswith("| 0 of 1 converged, 1 by the implicit derivative (the unrolled solve diverged) | "
+                                "**unverified** (a reference solve did not converge: no exact gradient to measure "
+                                "against) |"), rows["deq"]
+    assert rows["deq_implicit"].endswith("at float32's floor | yes |"), rows["deq_implicit"]
+    assert rows["deq_reference"].endswith("| **no** (> 5%) |"), rows["deq_reference"]
+
+
 def test_the_page_states_the_protocol_and_its_deviations(tmp_path):
     write_unit(tmp_path, "vae", "mnist", "explicit", 0, {"ais_log_likelihood": -100.0})
     text = report(tmp_path)

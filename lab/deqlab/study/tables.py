@@ -27,7 +27,8 @@ def fmt(value: float | None, digits: int = 3) -> str:
 
 def trust_table(units: list[dict], rules: Protocol) -> list[str]:
     """Mean over seeds of each DEQ variant's trust figures; a variant whose training gradient is further from the
-    exact one than the protocol allows is marked. Figures a unit did not record (units before v4: the stable
+    exact one than the protocol allows is marked, and one with no converged reference is unverified
+    (:func:`faithful_cell`). Figures a unit did not record (units before v4: the stable
     objective scale, the gradient's cosine and norm ratio, the reference solve's residual) show as –."""
     threshold = rules.text["trust"]["faithful_below"]
     runs = [u for u in units if u["value"].get("trust")]
@@ -44,16 +45,26 @@ def trust_table(units: list[dict], rules: Protocol) -> list[str]:
         figures = [u["value"]["trust"] for u in arm]
         cell = functools.partial(trust_cell, figures)
         phantom = backward_of(arm[0]) == "phantom"  # K steps and their Neumann remainder: the phantom backward's
-        worst = max(f["gradient_rel_error"] for f in figures)
-        faithful = "yes" if worst < threshold else f"**no** (> {threshold:.0%})"
         rows.append([group, name, str(len(figures)), cell("contraction"),
                      str(figures[0]["phantom_steps"]) if phantom else backward_of(arm[0]),
                      cell("neumann_remainder") if phantom else "–", cell("derivative_rel_error", True),
                      cell("objective_error_scaled", True), cell("gradient_rel_error", True),
                      cell("gradient_cosine"), cell("gradient_norm_ratio"),
                      f"{cell('capped_solves', True)} / {cell('capped_solves_training', True)}",
-                     reference_solve(figures), faithful])
+                     reference_solve(figures), faithful_cell(figures, threshold)])
     return [*lines, *pipe_table(header, rows), ""]
+
+
+def faithful_cell(figures: list[dict], threshold: float) -> str:
+    """Whether an arm trains on its own gradient: no where a seed's gradient error reaches the protocol's
+    threshold; unverified where a seed's reference solve neither converged nor stalled at float32's floor (its error
+    is then measured against no exact gradient: a map that does not contract at its fixed point has no converging
+    reference); yes otherwise."""
+    if max(f["gradient_rel_error"] for f in figures) >= threshold:
+        return f"**no** (> {threshold:.0%})"
+    if any(not f["exact_converged"] and not f.get("exact_at_floor") for f in figures):
+        return "**unverified** (a reference solve did not converge: no exact gradient to measure against)"
+    return "yes"
 
 
 def reference_solve(figures: list[dict]) -> str:
