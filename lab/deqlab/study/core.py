@@ -12,6 +12,7 @@ not run again (:func:`deqlab.units.recorded`). Image families also leave the uni
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import shutil
@@ -334,14 +335,16 @@ def train_and_evaluate(family: Family, name: str, seed: int, settings: UnitSetti
     return facts | {"evaluated": checkpoint.name, "metrics": metrics, "trust": trust}
 
 
+def last_logged(series: dict[str, list[tuple[int, float]]], key: str) -> float | None:
+    """The value ``key`` was last logged at (``series``: key -> (step, value) pairs); None where it never was."""
+    return series[key][-1][1] if series.get(key) else None
+
+
 def run_facts(series: dict[str, list[tuple[int, float]]]) -> dict[str, Any]:
     """Parameters, activation memory of one training step, and the DEQ solver's statistics over training (mean
     forward iterations, last relative residual, fraction of IFT backward solves that missed their tolerance);
     None where the run logged none (an explicit network has no solver)."""
-
-    def last(key: str) -> float | None:
-        return series[key][-1][1] if series.get(key) else None
-
+    last = functools.partial(last_logged, series)
     nstep = [v for _, v in series.get("train/deq/nstep", [])]
     parameters = last("run/parameters")
     return {"parameters": None if parameters is None else int(parameters),

@@ -11,7 +11,7 @@ from datetime import datetime
 from pathlib import Path
 
 from ..report import pipe_table
-from .core import Family, Metric, holding_commit, rerun_path, value_of, without_protocol
+from .core import Family, Metric, holding_commit, last_logged, rerun_path, value_of, without_protocol
 from .judging import exclusion
 from .protocol import Protocol
 from .tuning import rate_of_best_runs
@@ -242,8 +242,10 @@ def tuning_solves_table(family: Family, design: Protocol, rules: Protocol, folde
     for (group, name), by_rate in runs.items():
         chosen = rate_of_best_runs(by_rate, rule) if set(by_rate) == set(rule["grid"]) else None
         rows.append([group, name, "–" if chosen is None else f"{chosen:g}",
-                     by_rate_cell(by_rate, chosen, lambda r: last_validation(r, "val/deq/converged")),
-                     by_rate_cell(by_rate, chosen, lambda r: last_validation(r, "val/deq/rel_residual"),
+                     by_rate_cell(by_rate, chosen, lambda r: last_logged(r["value"]["validation"],
+                                                                          "val/deq/converged")),
+                     by_rate_cell(by_rate, chosen, lambda r: last_logged(r["value"]["validation"],
+                                                                          "val/deq/rel_residual"),
                                   show=lambda value: f"{value:.2g}"),
                      by_rate_cell(by_rate, chosen, lambda r: r["value"].get("ift_backward_failures"))])
     if not rows:
@@ -256,11 +258,6 @@ def tuning_solves_table(family: Family, design: Protocol, rules: Protocol, folde
             *pipe_table(["data", "variant", "chosen rate", "forward solves converged at the last validation",
                          "their relative residual", "IFT backward misses over training"], rows), ""]
 
-
-def last_validation(run: dict, series: str) -> float | None:
-    """A run's figure ``series`` at its last validation; None where it logged none."""
-    values = run["value"]["validation"].get(series)
-    return values[-1][1] if values else None
 
 
 def by_rate_cell(by_rate: dict[float, list[dict]], chosen: float | None, figure,
