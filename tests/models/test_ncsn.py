@@ -11,7 +11,7 @@ from deqscore.errors import ConfigError
 from deqscore.losses import annealed_dsm
 from deqscore.metrics import SavedTensorMeter, parameter_count
 from deqscore.models import NCSN, NCSN_BODIES
-from deqscore.models.ncsn import ConvMeanPool, InstanceNorm2dPlus, mean_pool2
+from deqscore.models.ncsn import ELU, ConvMeanPool, InstanceNorm2dPlus, max_pool5, mean_pool2
 
 F64 = torch.float64
 
@@ -84,6 +84,37 @@ def test_conv_mean_pool_saves_less_than_conv_then_avg_pool2d():
     assert torch.allclose(out, expected, atol=1e-6)
     assert ours.bytes == x.numel() * x.element_size()
     assert ref.bytes == 2 * ours.bytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_elu_has_torch_elus_values_and_derivatives_of_the_first_and_second_order(dtype):
+    x = torch.cat([torch.linspace(-30, 3, 1001, dtype=dtype), torch.tensor([0.0, -1e-8, 1e-8], dtype=dtype)])
+    x.requires_grad_()
+    with SavedTensorMeter() as saved_ours:
+        ours = ELU()(x)
+    with SavedTensorMeter() as saved_ref:
+        ref = torch.nn.functional.elu(x)
+    assert saved_ours.bytes == saved_ref.bytes == x.numel() * x.element_size()  # the input alone, as nn.ELU
+    spacing = torch.finfo(dtype).eps  # exp(x) - 1 rounds at 1's spacing where expm1 does not
+    assert torch.equal(ours[x > 0], ref[x > 0]) and torch.allclose(ours, ref, rtol=0, atol=spacing)
+    g = torch.randn_like(x)
+    (d_ours,) = torch.autograd.grad(ours, x, g, create_graph=True)
+    (d_ref,) = torch.autograd.grad(ref, x, g, create_graph=True)
+    assert torch.equal(d_ours, d_ref)
+    assert torch.equal(*(torch.autograd.grad(d.square().sum(), x)[0] for d in (d_ours, d_ref)))
+    # under torch.func (the exact DEQ backward takes its partials with it): the same vector-Jacobian product
+    _, vjp_ours = torch.func.vjp(ELU(), x.detach())
+    _, vjp_ref = torch.func.vjp(torch.nn.functional.elu, x.detach())
+    assert torch.equal(vjp_ours(g)[0], vjp_ref(g)[0])
+
+
+def test_max_pool5_has_max_pool2ds_values_and_gradient_from_any_layout():
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 9, 11).transpose(-1, -2).requires_grad_()  # not contiguous
+    ours, ref = max_pool5(x), torch.nn.functional.max_pool2d(x, 5, stride=1, padding=2)
+    assert ours.is_contiguous() and torch.equal(ours, ref)
+    g = torch.randn_like(ref)
+    assert torch.equal(torch.autograd.grad(ours, x, g)[0], torch.autograd.grad(ref, x, g)[0])
 
 
 def test_ncsnv2_at_cifar10_size_has_the_published_parameter_count():
