@@ -20,8 +20,9 @@ RESULTS=benchmarks/results/study
 # arm on the CPU at one commit, the first whose weight averaging keeps the trained weights in the checkpoint saved
 # after fit, the one a unit scores (v6 scores the trained weights; earlier commits scored their average there)
 # NCSN's chain runs under protocol v7 (3,200 iterations, the average with decay 0.99, step 1e-4, the Anderson
-# backward), from the commit that wrote it (its units' price: v7's NCSN entry)
-declare -A COMMIT=([dkef]=72f9b85 [nice]=51e2352 [vae]=e779b85 [ncsn]=cbb6ce4 [edm]=0b28484)
+# backward), from the commit whose ELU and max-pool take about 0.75x the step of torch's CPU kernels with the same
+# values (docs/benchmarks.md; v7 was written at cbb6ce4, where its untrained controls first ran: kept in the log)
+declare -A COMMIT=([dkef]=72f9b85 [nice]=51e2352 [vae]=e779b85 [ncsn]=b0cebc0 [edm]=0b28484)
 declare -A ARMS=([dkef]=deq_reference [nice]=deq_reference
                  [vae]=deq,deq_faithful,explicit_deep,gaussian [ncsn]=untrained,explicit,deq,ncsnv2
                  [edm]=untrained,explicit,deq)
