@@ -212,9 +212,12 @@ def sampler_cost_table(units: list[dict]) -> list[str]:
               "warm saving"]
     return ["**The sampler's cost** (the scored weights, 16 samples of seed 0 per unit, mean over seeds; iterations "
             "summed over the DEQ layers of one evaluation). A warm start saves as much as the input moves little "
-            "between consecutive evaluations: a Langevin step adds noise of sqrt(2 alpha_i) per pixel (0.63 sigma_i "
-            "at step_lr 2e-5 and sigma_L 0.01), and a Heun step moves to the next of 18 noise levels, so the last "
-            "fixed point is only a modestly better start than zero. The solves also run to the training tolerance, "
+            "between consecutive evaluations: a Langevin step adds noise of sqrt(2 alpha_i) = sqrt(2 step_lr) "
+            "sigma_i / sigma_L per pixel (sigma_L 0.01: 0.63 sigma_i at the configs' step_lr 2e-5, 1.41 sigma_i at "
+            "protocol v7's 1e-4), and a Heun step moves to the next of 18 noise levels, so the last fixed point is "
+            "only a modestly better start than zero; a solve that stops at max_iter unconverged (the trust table's "
+            "held-out solves say how often) costs the cap from either start. The solves also run to the training "
+            "tolerance, "
             "tighter than sampling needs: `sample.py --solver-tol 1e-2` took 2.6x fewer iterations on the NCSN "
             "pilot's DEQ at an unchanged KID (benchmarks/results/ncsn_cpu_pilot/tolerance/).", "",
             *pipe_table(header, rows), ""]
