@@ -623,11 +623,13 @@ def test_the_samplers_cost_cold_and_warm_reaches_the_page(tmp_path):
     assert "± beside a run's metric: that run's own standard error" in text
 
 
-def test_the_deq_arms_solves_at_each_tuned_rate_reach_the_page(tmp_path):
+@pytest.mark.parametrize("kept_low_rate", [False, True])
+def test_the_deq_arms_solves_at_each_tuned_rate_reach_the_page(tmp_path, kept_low_rate):
     """Per DEQ arm, its tuning runs' forward solves converged at the last validation, their relative residual (the
     last validation's, not the first) and IFT backward misses at every rate of the grid, the rate its validation
     figure chose in bold (the lowest last loss here, a rate whose solves stopped converging), – for a backward that
-    is no IFT; an explicit arm's tuning (no solver) has no row."""
+    is no IFT; an explicit arm's tuning (no solver) has no row. A run kept under ``<group>/v<version>/tuning/``
+    (where a newer design's run of its rate moved it) still counts for its own design."""
     rule = PROTOCOL.family("edm")["learning_rate"]
     write_unit(tmp_path, "edm", "mnist", "deq", 0, {"loss": 0.2, "kid": 0.05})
     low, middle, high = sorted(rule["grid"])
@@ -645,7 +647,9 @@ def test_the_deq_arms_solves_at_each_tuned_rate_reach_the_page(tmp_path):
                    "settings": {"protocol": PROTOCOL.stamp},
                    "value": {"arguments": [f"{rule['option']}={rate!r}"], "validation": validation,
                              "ift_backward_failures": misses if variant == "deq" else None}}
-            (tuning / f"{variant}_lr{rate!r}_s1000.json").write_text(json.dumps(run))
+            folder = tuning.parent / "v1" / "tuning" if kept_low_rate and rate == low else tuning
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"{variant}_lr{rate!r}_s1000.json").write_text(json.dumps(run))
     text = report(tmp_path)
     assert (f"| mnist | deq | {high:g} | {low:g}: 1.00, {middle:g}: 0.00, **{high:g}: 0.00** | "
             f"{low:g}: 0.00041, {middle:g}: 0.0052, **{high:g}: 0.0092** | "

@@ -124,6 +124,13 @@ def keep_earlier(path: Path, group_dir: Path, protocol: Protocol) -> None:
         source.rename(kept)
 
 
+def recorded_files(folder: Path, kind: str = "") -> list[Path]:
+    """The unit files (``kind=""``) or tuning runs (``kind="tuning"``) of a family's ``folder``: each group's, and
+    those of the earlier designs kept beside them under ``<group>/v<version>/`` (:func:`keep_earlier`)."""
+    sub = f"{kind}/" if kind else ""
+    return sorted([*folder.glob(f"*/{sub}*.json"), *folder.glob(f"*/v[0-9]*/{sub}*.json")])
+
+
 @dataclass(frozen=True)
 class UnitSettings:
     """What every unit of one study call shares: the protocol it runs under (recorded as its version and

@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..report import pipe_table
-from .core import ROOT, Family, summarise, without_protocol
+from .core import ROOT, Family, recorded_files, summarise, without_protocol
 from .figures import plot_curves, plot_quality_memory
 from .judging import (
     arm_seeds,
@@ -54,8 +54,7 @@ def load_units(out: Path, family: Family, protocol: Protocol) -> dict[int, tuple
     (an edited protocol file, a later version) or of a seed its design does not list is refused
     (:class:`ProtocolError`, naming the file)."""
     units = []
-    folder = out / family.name  # a unit of an earlier design that a newer one replaced: <group>/v<version>/
-    for path in sorted([*folder.glob("*/*.json"), *folder.glob("*/v[0-9]*/*.json")]):
+    for path in recorded_files(out / family.name):
         unit = json.loads(path.read_text())
         if unit["group"] in family.groups and unit["variant"] in family.variants:
             units.append(unit | {"file": str(path)})

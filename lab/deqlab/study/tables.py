@@ -11,7 +11,7 @@ from datetime import datetime
 from pathlib import Path
 
 from ..report import pipe_table
-from .core import Family, Metric, holding_commit, last_logged, rerun_path, value_of, without_protocol
+from .core import Family, Metric, holding_commit, last_logged, recorded_files, rerun_path, value_of, without_protocol
 from .judging import exclusion
 from .protocol import Protocol
 from .tuning import rate_of_best_runs
@@ -234,7 +234,7 @@ def tuning_solves_table(family: Family, design: Protocol, rules: Protocol, folde
     if rule is None:
         return []
     runs: dict[tuple[str, str], dict[float, list[dict]]] = {}
-    for path in sorted(folder.glob("*/tuning/*.json")):
+    for path in recorded_files(folder, "tuning"):  # an earlier design's kept under <group>/v<version>/tuning/
         run = json.loads(path.read_text())
         found = rules.design_of(run)
         if found is None or found.version != design.version or "val/deq/converged" not in run["value"]["validation"]:
