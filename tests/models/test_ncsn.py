@@ -112,9 +112,13 @@ def test_max_pool5_has_max_pool2ds_values_and_gradient_from_any_layout():
     torch.manual_seed(0)
     x = torch.randn(3, 4, 9, 11).transpose(-1, -2).requires_grad_()  # not contiguous
     ours, ref = max_pool5(x), torch.nn.functional.max_pool2d(x, 5, stride=1, padding=2)
-    assert ours.is_contiguous() and torch.equal(ours, ref)
+    assert ours.is_contiguous() and torch.equal(ours, ref)  # a maximum selects a value: exact in either layout
     g = torch.randn_like(ref)
-    assert torch.equal(torch.autograd.grad(ours, x, g)[0], torch.autograd.grad(ref, x, g)[0])
+    # an input's gradient sums the output gradients of the (at most 25) windows whose maximum it is; the two layouts'
+    # kernels may add them in another order, so they agree to that many roundings, not bit for bit
+    tolerance = 25 * torch.finfo(g.dtype).eps * g.abs().max()
+    assert torch.allclose(torch.autograd.grad(ours, x, g)[0], torch.autograd.grad(ref, x, g)[0], rtol=0,
+                          atol=tolerance.item())
 
 
 def test_ncsnv2_at_cifar10_size_has_the_published_parameter_count():

@@ -217,9 +217,8 @@ def sampler_cost_table(units: list[dict]) -> list[str]:
             "protocol v7's 1e-4), and a Heun step moves to the next of 18 noise levels, so the last fixed point is "
             "only a modestly better start than zero; a solve that stops at max_iter unconverged (the trust table's "
             "held-out solves say how often) costs the cap from either start. The solves also run to the training "
-            "tolerance, "
-            "tighter than sampling needs: `sample.py --solver-tol 1e-2` took 2.6x fewer iterations on the NCSN "
-            "pilot's DEQ at an unchanged KID (benchmarks/results/ncsn_cpu_pilot/tolerance/).", "",
+            "tolerance, tighter than sampling needs: `sample.py --solver-tol 1e-2` took 2.6x fewer iterations on "
+            "the NCSN pilot's DEQ at an unchanged KID (benchmarks/results/ncsn_cpu_pilot/tolerance/).", "",
             *pipe_table(header, rows), ""]
 
 
@@ -260,7 +259,6 @@ def tuning_solves_table(family: Family, design: Protocol, rules: Protocol, folde
             "from its fixed point such a solve is left (against the solver's tolerance).", "",
             *pipe_table(["data", "variant", "chosen rate", "forward solves converged at the last validation",
                          "their relative residual", "IFT backward misses over training"], rows), ""]
-
 
 
 def by_rate_cell(by_rate: dict[float, list[dict]], chosen: float | None, figure,
