@@ -10,6 +10,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "lab"))
 from deqlab.configs import build  # noqa: E402
 
+BODIES = ("explicit", "deq")
+if len(sys.argv) != 2 or sys.argv[1] not in BODIES:
+    sys.exit(f"steps.py: give the body, one of {', '.join(BODIES)} (configs/ncsn/<body>_mnist.yaml)")
 torch.set_num_threads(1)
 torch.manual_seed(0)
 module = build(f"configs/ncsn/{sys.argv[1]}_mnist.yaml", {"net.ngf": 16, "net.dim": 784}).train()
